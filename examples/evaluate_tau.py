@@ -1,0 +1,157 @@
+"""Measure τ (mean accepted length per verification round) through `target.generate(assistant_model=...)`.
+
+    python examples/evaluate_tau.py --drafters dflash=model_cards/x carry=model_cards/y \
+        --datasets mtbench humaneval sharegpt --temperatures 0 1 --max_new_tokens 256 --workers 8 --out results/tau
+
+Prompts come from `<prompts_dir>/<dataset>.jsonl` (`{"id", "input_ids"}`, chat template applied), written by
+`trainer/prepare_prompts.py`, so this script needs no network. Every finished generation is appended to
+`<out>/raw-<worker>.jsonl` at once (a crash loses nothing); `<out>/summary.json` aggregates them with the
+command, git commit, hardware and versions. Several worker processes share one GPU: a 135M target decodes
+launch-bound, so separate processes overlap their kernel launches. T=1 samples from the unmodified
+distribution (top-k/top-p off). τ counts draft rounds only (the prefill forward emits one token unaided).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+
+def load_prompts(prompts_dir, dataset, limit):
+    rows = [json.loads(line) for line in Path(prompts_dir, f"{dataset}.jsonl").read_text().splitlines()]
+    return rows[:limit] if limit else rows
+
+
+def worker(rank, args, jobs):
+    import torch
+    from transformers import AutoModel
+
+    from hf_carryover.reference import reference_target
+
+    torch.manual_seed(1234 + rank)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype)
+    if args.target == "reference":
+        target, _ = reference_target(dtype=dtype)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype)
+    target = target.to(device).eval()
+    drafters = {}
+    for spec in args.drafters:
+        name, path = spec.split("=", 1)
+        drafters[name] = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=dtype).to(device).eval()
+    out = open(Path(args.out) / f"raw-{rank}.jsonl", "a")
+    for job in jobs[rank:: args.workers]:
+        name, dataset, temp, pid, ids = job
+        x = torch.tensor([ids], device=device)
+        kw = dict(max_new_tokens=args.max_new_tokens, do_sample=temp > 0)
+        if temp > 0:
+            kw.update(temperature=float(temp), top_k=0, top_p=1.0)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            y = target.generate(x, attention_mask=torch.ones_like(x), assistant_model=drafters[name], **kw)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        gen = drafters[name].last_candidate_generator
+        rec = {"drafter": name, "dataset": dataset, "temperature": temp, "id": pid,
+               "new_tokens": int(y.shape[1] - x.shape[1]), "seconds": dt,
+               "accepted": [r["accepted"] for r in gen.rounds], "proposals": [r["proposals"] for r in gen.rounds]}
+        out.write(json.dumps(rec) + "\n")
+        out.flush()
+
+
+def environment():
+    import torch
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = None
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {"commit": commit or os.environ.get("HF_CARRYOVER_COMMIT"), "gpu": gpu, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def summarize(out_dir, max_positions=16):
+    """τ per (drafter, dataset, temperature) = Σ(accepted+1) / rounds, plus acceptance-by-position curves."""
+    groups = defaultdict(list)
+    for path in Path(out_dir).glob("raw-*.jsonl"):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            groups[(r["drafter"], r["dataset"], r["temperature"])].append(r)
+    table = {}
+    for (name, dataset, temp), recs in sorted(groups.items()):
+        acc = [a for r in recs for a in r["accepted"]]
+        rounds = len(acc)
+        reach = [sum(1 for a in acc if a >= j) / max(rounds, 1) for j in range(1, max_positions + 1)]
+        table[f"{name}|{dataset}|T={temp}"] = {
+            "drafter": name, "dataset": dataset, "temperature": temp, "prompts": len(recs), "rounds": rounds,
+            "tau": (sum(acc) + rounds) / max(rounds, 1),
+            "tokens_per_s_hf": sum(r["new_tokens"] for r in recs) / max(sum(r["seconds"] for r in recs), 1e-9),
+            "p_accept_at_least": reach,
+        }
+    means = defaultdict(list)
+    for row in table.values():
+        means[(row["drafter"], row["temperature"])].append(row["tau"])
+    mean_tau = {f"{d}|T={t}": sum(v) / len(v) for (d, t), v in means.items()}
+    return table, mean_tau
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="reference")
+    p.add_argument("--drafters", nargs="+", required=True, help="name=folder pairs")
+    p.add_argument("--datasets", nargs="+", default=["mtbench", "humaneval", "sharegpt"])
+    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0])
+    p.add_argument("--prompts_dir", default="assets/prompts")
+    p.add_argument("--limit", type=int, default=0, help="first N prompts per dataset (0 = all)")
+    p.add_argument("--max_new_tokens", type=int, default=256)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--out", required=True)
+    p.add_argument("--summarize_only", action="store_true")
+    args = p.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    if not args.summarize_only:
+        done = set()
+        for path in Path(args.out).glob("raw-*.jsonl"):  # resume: skip finished generations
+            for line in path.read_text().splitlines():
+                r = json.loads(line)
+                done.add((r["drafter"], r["dataset"], r["temperature"], r["id"]))
+        jobs = []
+        for temp in args.temperatures:
+            for dataset in args.datasets:
+                for row in load_prompts(args.prompts_dir, dataset, args.limit):
+                    for spec in args.drafters:
+                        name = spec.split("=", 1)[0]
+                        if (name, dataset, temp, row["id"]) not in done:
+                            jobs.append((name, dataset, temp, row["id"], row["input_ids"]))
+        print(f"{len(jobs)} generations to run ({len(done)} already done)", flush=True)
+        if args.workers == 1:
+            worker(0, args, jobs)
+        else:
+            import torch.multiprocessing as mp
+
+            mp.spawn(worker, args=(args, jobs), nprocs=args.workers, join=True)
+    table, mean_tau = summarize(args.out)
+    summary = {"command": " ".join([sys.executable.split("/")[-1]] + sys.argv), "environment": environment(),
+               "max_new_tokens": args.max_new_tokens, "mean_tau": mean_tau, "results": table}
+    Path(args.out, "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(mean_tau, indent=2))
+
+
+if __name__ == "__main__":
+    main()

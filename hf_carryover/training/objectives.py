@@ -1,0 +1,212 @@
+"""Training objectives: many anchors per recorded response in one drafter forward.
+
+Stage 1 (DESIGN.md §3/§4): N random anchors per sequence; every block sees the committed context before its
+anchor (target features of the recorded response) and itself. Loss: position-decayed CE (+ optional DSpark
+L1 between draft and target distributions).
+
+Stage 2, Carryover (DESIGN.md §5), parallel draft-verify-draft:
+  1. draft a block at each anchor t (no grad);
+  2. the frozen target verifies all N proposals in ONE forward over `[recorded | N blocks of k+1]` with a
+     block-sparse mask, giving accepted lengths a (vs the recorded tokens) and the rejected rows' states;
+  3. draft again at the shifted anchor t' = t + a + 1 with those rows as carryover; supervise with the
+     recorded tokens.
+The gradient forward holds both the step-1 blocks (stage-1 loss, so the drafter keeps working without
+carryover: first round, after a full accept) and the step-3 blocks — one forward, one backward.
+
+Batch dict: `input_ids [b, L]` (right-padded), `prompt_len [b]`, `seq_len [b]` (real length).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .masks import dense_drafter_mask, flex_drafter_mask, verify_mask
+
+
+@torch.no_grad()
+def target_pass(target, drafter, input_ids, valid, need_logits: bool):
+    """Tapped target features `[b, L, n*d]` (and logits) of the recorded sequences."""
+    out = target(input_ids=input_ids, attention_mask=valid.long(), output_hidden_states=True, use_cache=False)
+    feats = drafter.target_features(out.hidden_states)
+    return feats, (out.logits if need_logits else None)
+
+
+def sample_anchors(prompt_len, seq_len, num_anchors: int, generator=None):
+    """Up to N distinct anchors per sequence in [prompt_len, seq_len-2] (positions of committed response tokens
+    that still have a next token). Returns anchors `[b, N]` and a validity mask (short responses pad)."""
+    b = prompt_len.shape[0]
+    dev = prompt_len.device
+    anchors = torch.zeros(b, num_anchors, dtype=torch.long, device=dev)
+    valid = torch.zeros(b, num_anchors, dtype=torch.bool, device=dev)
+    for i in range(b):
+        lo, hi = int(prompt_len[i]), int(seq_len[i]) - 1  # anchors t with t+1 < seq_len
+        n = hi - lo
+        if n <= 0:
+            continue
+        perm = torch.randperm(n, generator=generator)[:num_anchors].to(dev) + lo
+        anchors[i, : perm.numel()] = perm.sort().values
+        valid[i, : perm.numel()] = True
+    return anchors, valid
+
+
+def block_targets(input_ids, seq_len, anchors, anchor_valid, num_proposals: int):
+    """Labels `[b, N, P]` (token at t+j, j=1..P), their validity, and the previous tokens (t+j-1) for the Markov head."""
+    L = input_ids.shape[1]
+    j = torch.arange(1, num_proposals + 1, device=input_ids.device)
+    pos = anchors[:, :, None] + j  # [b, N, P]
+    ok = anchor_valid[:, :, None] & (pos < seq_len[:, None, None])
+    labels = input_ids.gather(1, pos.clamp(max=L - 1).flatten(1)).view_as(pos)
+    prev = input_ids.gather(1, (pos - 1).clamp(max=L - 1).flatten(1)).view_as(pos)
+    return labels, ok, prev, pos
+
+
+def position_weights(cfg, device):
+    """exp(-(j-1)/gamma) for proposal j = 1..P (DFlash's decay; gamma from the block size)."""
+    j = torch.arange(1, cfg.num_proposals + 1, device=device, dtype=torch.float32)
+    return torch.exp(-(j - 1) / cfg.decay_gamma)
+
+
+def proposal_logits(drafter, hidden, prev_tokens):
+    """Drafter hidden `[b, N, B, d]` -> proposal logits `[b, N, P, V]` (Markov: + bigram term, teacher-forced)."""
+    rows = hidden[:, :, drafter.proposal_rows()]
+    logits = drafter.lm_logits(rows).float()
+    if drafter.config.drafter_type == "markov":
+        logits = logits + drafter.markov_bias(prev_tokens).float()
+    return logits
+
+
+def block_loss(logits, labels, ok, weights, target_logits=None, l1_weight: float = 0.0):
+    """Weighted CE (+ l1_weight * ||p_draft - p_target||_1, which is 2*TV) and per-position accuracy."""
+    w = weights[None, None, :] * ok.float()
+    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
+    denom = w.sum().clamp(min=1e-6)
+    loss = (ce * w).sum() / denom
+    if target_logits is not None and l1_weight > 0:
+        l1 = (logits.softmax(-1) - target_logits.float().softmax(-1)).abs().sum(-1)
+        loss = (1 - l1_weight) * loss + l1_weight * (l1 * w).sum() / denom
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == labels) & ok
+        acc = hit.float().sum((0, 1)) / ok.float().sum((0, 1)).clamp(min=1)
+        # expected accepted drafts if each block were verified: leading run of hits
+        run = torch.cumprod(hit.long(), dim=-1).sum(-1).float()
+        mean_run = run[ok[..., 0]].mean() if ok[..., 0].any() else torch.tensor(0.0)
+    return loss, {"ce": float((ce.detach() * w).sum() / denom), "acc_per_pos": acc.tolist(), "accept_run": float(mean_run)}
+
+
+def _block_embeds_positions(drafter, input_ids, anchors):
+    B = drafter.config.block_size
+    embeds = drafter.embed_block(input_ids.gather(1, anchors))  # [b, N*B, d]
+    positions = (anchors[:, :, None] + torch.arange(B, device=anchors.device)).flatten(1)  # [b, N*B]
+    return embeds, positions
+
+
+def _mask(backend, anchors, ctx_valid, B, carry_valid=None, k=0, carry_offset=0):
+    fn = flex_drafter_mask if backend == "flex" else dense_drafter_mask
+    return fn(anchors, ctx_valid, B, carry_valid=carry_valid, k=k, carry_offset=carry_offset)
+
+
+def draft_blocks(model, drafter, input_ids, feats, ctx_valid, anchors, carry=None, carry_pos=None,
+                 carry_valid=None, k=0, carry_offset=0, backend="sdpa"):
+    """One drafter forward for all blocks; returns hidden `[b, N, B, d]`. `model` may be a DDP wrapper."""
+    b, L = input_ids.shape
+    B = drafter.config.block_size
+    embeds, positions = _block_embeds_positions(drafter, input_ids, anchors)
+    mask = _mask(backend, anchors, ctx_valid, B, carry_valid, k, carry_offset)
+    ctx_pos = torch.arange(L, device=input_ids.device)[None].expand(b, -1)
+    hidden = model(embeds, positions, context_features=feats, context_positions=ctx_pos,
+                   carryover_features=carry, carryover_positions=carry_pos, attn_mask=mask)
+    return hidden.view(b, anchors.shape[1], B, -1)
+
+
+@torch.no_grad()
+def greedy_proposals(drafter, hidden, anchor_tokens):
+    """Proposals `[b, N, P]` as inference would choose them greedily (Markov: left to right on own tokens)."""
+    base = drafter.lm_logits(hidden[:, :, drafter.proposal_rows()]).float()
+    if drafter.config.drafter_type != "markov":
+        return base.argmax(-1)
+    prev, out = anchor_tokens, []
+    for j in range(base.shape[2]):
+        prev = (base[:, :, j] + drafter.markov_bias(prev).float()).argmax(-1)
+        out.append(prev)
+    return torch.stack(out, dim=2)
+
+
+@torch.no_grad()
+def verify_all(target, drafter, input_ids, ctx_valid, seq_len, anchors, anchor_valid, proposals):
+    """One target forward verifying every anchor's `[x_t, d_1..d_k]` against the recorded prefix.
+
+    Returns accepted lengths `a [b, N]` (leading proposals equal to the recorded tokens) and the tapped
+    features of verify rows 1..k `[b, N, k, n*d]` at positions t+1..t+k (row j's input is d_j).
+    """
+    b, L = input_ids.shape
+    N, k = proposals.shape[1], proposals.shape[2]
+    blocks = torch.cat([input_ids.gather(1, anchors)[:, :, None], proposals], dim=2)  # [b, N, k+1]
+    ids = torch.cat([input_ids, blocks.flatten(1)], dim=1)
+    pos_blk = (anchors[:, :, None] + torch.arange(k + 1, device=anchors.device)).flatten(1)
+    pos = torch.cat([torch.arange(L, device=anchors.device)[None].expand(b, -1), pos_blk], dim=1)
+    mask = verify_mask(anchors, ctx_valid, k)
+    out = target(input_ids=ids, position_ids=pos, attention_mask=mask, output_hidden_states=True, use_cache=False)
+    feats = drafter.target_features(out.hidden_states, slice(L, None)).view(b, N, k + 1, -1)[:, :, 1:]
+    recorded, ok, _, _ = block_targets(input_ids, seq_len, anchors, anchor_valid, k)
+    accepted = torch.cumprod((proposals == recorded).long() * ok.long(), dim=-1).sum(-1)
+    return accepted, feats
+
+
+def stage1_loss(model, drafter, target, batch, num_anchors=512, l1_weight=0.0, backend="sdpa", generator=None):
+    input_ids, seq_len, prompt_len = batch["input_ids"], batch["seq_len"], batch["prompt_len"]
+    L = input_ids.shape[1]
+    ctx_valid = torch.arange(L, device=input_ids.device)[None] < seq_len[:, None]
+    feats, tlogits = target_pass(target, drafter, input_ids, ctx_valid, need_logits=l1_weight > 0)
+    anchors, a_ok = sample_anchors(prompt_len, seq_len, num_anchors, generator)
+    hidden = draft_blocks(model, drafter, input_ids, feats, ctx_valid, anchors, backend=backend)
+    labels, ok, prev, pos = block_targets(input_ids, seq_len, anchors, a_ok, drafter.config.num_proposals)
+    logits = proposal_logits(drafter, hidden, prev)
+    t_logits = None if tlogits is None else tlogits.gather(
+        1, (pos - 1).clamp(max=L - 1).flatten(1)[..., None].expand(-1, -1, tlogits.shape[-1])).view_as(logits)
+    loss, m = block_loss(logits, labels, ok, position_weights(drafter.config, input_ids.device), t_logits, l1_weight)
+    return loss, m
+
+
+def stage2_loss(model, drafter, target, batch, num_anchors=128, l1_weight=0.0, backend="sdpa", generator=None):
+    """Parallel draft-verify-draft (see module docstring). Loss = stage-1 term at t + carryover term at t'."""
+    input_ids, seq_len, prompt_len = batch["input_ids"], batch["seq_len"], batch["prompt_len"]
+    b, L = input_ids.shape
+    cfg, dev = drafter.config, input_ids.device
+    ctx_valid = torch.arange(L, device=dev)[None] < seq_len[:, None]
+    feats, _ = target_pass(target, drafter, input_ids, ctx_valid, need_logits=False)
+    anchors, a_ok = sample_anchors(prompt_len, seq_len, num_anchors, generator)
+    with torch.no_grad():  # 1. draft
+        h1 = draft_blocks(drafter, drafter, input_ids, feats, ctx_valid, anchors, backend=backend)
+        proposals = greedy_proposals(drafter, h1, input_ids.gather(1, anchors))
+    k = proposals.shape[2]
+    accepted, vfeats = verify_all(target, drafter, input_ids, ctx_valid, seq_len, anchors, a_ok, proposals)  # 2.
+    anchors2 = anchors + accepted + 1  # 3. shifted anchor
+    a2_ok = a_ok & (anchors2 <= seq_len[:, None] - 2)
+    anchors2 = torch.where(a2_ok, anchors2, anchors)
+    j = torch.arange(1, k + 1, device=dev)
+    carry_valid = (j[None, None] > accepted[:, :, None]) & a2_ok[:, :, None]  # rows a+1..k are rejected
+    carry_pos = (anchors[:, :, None] + j).flatten(1)
+    N = anchors.shape[1]
+    all_anchors = torch.cat([anchors, anchors2], dim=1)
+    hidden = draft_blocks(model, drafter, input_ids, feats, ctx_valid, all_anchors, carry=vfeats.flatten(1, 2),
+                          carry_pos=carry_pos, carry_valid=carry_valid.flatten(1), k=k, carry_offset=N,
+                          backend=backend)
+    all_ok = torch.cat([a_ok, a2_ok], dim=1)
+    labels, ok, prev, _ = block_targets(input_ids, seq_len, all_anchors, all_ok, cfg.num_proposals)
+    logits = proposal_logits(drafter, hidden, prev)
+    w = position_weights(cfg, dev)
+    loss1, m1 = block_loss(logits[:, :N], labels[:, :N], ok[:, :N], w)
+    loss2, m2 = block_loss(logits[:, N:], labels[:, N:], ok[:, N:], w)
+    carried = carry_valid.sum(-1).float()[a2_ok]
+    metrics = {"ce": m1["ce"], "acc_per_pos": m1["acc_per_pos"], "accept_run": m1["accept_run"],
+               "ce_carry": m2["ce"], "acc_per_pos_carry": m2["acc_per_pos"], "accept_run_carry": m2["accept_run"],
+               "verify_accepted": float(accepted[a_ok].float().mean()) if a_ok.any() else math.nan,
+               "carried_rows": float(carried.mean()) if carried.numel() else 0.0}
+    return loss1 + loss2, metrics
+
+
+__all__ = ["stage1_loss", "stage2_loss", "verify_all", "sample_anchors", "block_targets", "greedy_proposals",
+           "draft_blocks", "target_pass", "position_weights", "block_loss"]

@@ -1,0 +1,101 @@
+"""`CarryoverTrainer`: a thin `transformers.Trainer` subclass for drafters (TRL's layout: config + trainer).
+
+Why a subclass and not a custom loop: users get Trainer's checkpointing/resume, logging, accelerate/DDP/FSDP,
+gradient accumulation and LR schedules for free. What it adds: the frozen target (held here, *outside* the
+drafter's module tree, so DDP/FSDP wrap and save only the drafter) and `compute_loss` = the stage-1 or
+stage-2 objective of `objectives.py`. Per-position accuracy is logged with the loss, on train and held-out data.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from .objectives import stage1_loss, stage2_loss
+
+
+@dataclass
+class CarryoverTrainingArguments(TrainingArguments):
+    """TrainingArguments plus the drafter objective's knobs."""
+
+    stage: int = field(default=1, metadata={"help": "1: parallel-anchor baseline; 2: draft-verify-draft Carryover."})
+    num_anchors: int = field(default=512, metadata={"help": "Anchors per sequence (stage 2: per draft pass)."})
+    l1_weight: float = field(default=0.0, metadata={"help": "DSpark: loss = (1-w) CE + w ||p_d - p_t||_1 (stage 1)."})
+    attn_backend: str = field(default="sdpa", metadata={"help": "'sdpa' (dense boolean mask) or 'flex'."})
+    max_seq_len: int = field(default=1024, metadata={"help": "Sequences are cut to this many tokens."})
+    remove_unused_columns: bool = False
+
+
+class CarryoverTrainer(Trainer):
+    def __init__(self, model=None, args: CarryoverTrainingArguments = None, target=None, **kwargs):
+        if target is None:
+            raise ValueError("CarryoverTrainer needs the frozen `target` whose hidden states the drafter reads.")
+        if args.stage == 2 and not model.config.carryover:
+            raise ValueError("Stage 2 trains Carryover: load/build the drafter with carryover=True.")
+        if args.stage not in (1, 2):
+            raise ValueError(f"Unknown stage {args.stage}; expected 1 or 2.")
+        super().__init__(model=model, args=args, **kwargs)
+        self.model_accepts_loss_kwargs = False  # our loss is already a mean
+        self.target = target.to(self.args.device).eval().requires_grad_(False)
+        model.bind_target(self.target)
+        self._metric_buf = defaultdict(list)
+
+    def _objective(self, model, inputs):
+        drafter = self.accelerator.unwrap_model(model)
+        drafter.bind_target(self.target)
+        fn = stage1_loss if self.args.stage == 1 else stage2_loss
+        kw = {"l1_weight": self.args.l1_weight} if self.args.stage == 1 else {}
+        return fn(model, drafter, self.target, inputs, num_anchors=self.args.num_anchors,
+                  backend=self.args.attn_backend, **kw)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, metrics = self._objective(model, inputs)
+        for key, value in metrics.items():
+            self._metric_buf[key].append(value)
+        return (loss, None) if return_outputs else loss
+
+    def log(self, logs, *args, **kwargs):
+        if "loss" in logs and self._metric_buf:
+            logs.update(_reduce(self._metric_buf, prefix="train_"))
+            self._metric_buf.clear()
+        super().log(logs, *args, **kwargs)
+
+    @torch.no_grad()
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+        """Held-out loss and per-position accuracy with the training objective (no parameter update)."""
+        loader = self.get_eval_dataloader(eval_dataset)
+        self.model.eval()
+        buf, losses = defaultdict(list), []
+        for inputs in loader:
+            inputs = self._prepare_inputs(inputs)
+            with self.compute_loss_context_manager():  # same autocast as training
+                loss, metrics = self._objective(self.model, inputs)
+            losses.append(float(loss))
+            for key, value in metrics.items():
+                buf[key].append(value)
+        local = torch.tensor([sum(losses), len(losses)], device=self.args.device, dtype=torch.float64)
+        total = self.accelerator.reduce(local, reduction="sum")
+        out = {f"{metric_key_prefix}_loss": float(total[0] / total[1].clamp(min=1))}
+        out.update(_reduce(buf, prefix=f"{metric_key_prefix}_"))
+        self.log(out)
+        self.model.train()
+        return out
+
+
+def _reduce(buf, prefix):
+    """Mean of scalar metrics; element-wise mean (rounded) of per-position lists."""
+    out = {}
+    for key, values in buf.items():
+        if isinstance(values[0], list):
+            cols = list(zip(*values))
+            out[prefix + key] = [round(sum(c) / len(c), 4) for c in cols]
+        else:
+            vals = [v for v in values if v == v]
+            out[prefix + key] = round(sum(vals) / len(vals), 5) if vals else float("nan")
+    return out
+
+
+__all__ = ["CarryoverTrainer", "CarryoverTrainingArguments"]

@@ -1,0 +1,123 @@
+"""Train a drafter for any target:  `accelerate launch trainer/train.py --config trainer/configs/X.json [--key value ...]`.
+
+Config keys are the fields of `ScriptArguments` below plus any `CarryoverTrainingArguments` /
+`TrainingArguments` field; CLI flags override the file. Runs on CPU (tiny configs), one GPU or many.
+
+    stage 1:  --drafter_type dflash --stage 1                 (random init, parallel anchors)
+    stage 2:  --stage 2 --init_from runs/x/final --carryover true   (continue with draft-verify-draft)
+
+`--resume_from_checkpoint auto` resumes from the newest `checkpoint-*` in `output_dir`.
+Training data: response shards from `trainer/regenerate.py`; `--eval_data_dir` holds the held-out shards.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, HfArgumentParser, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
+
+from hf_carryover import Drafter
+from hf_carryover.training.data import ResponseCollator, ResponseDataset
+from hf_carryover.training.trainer import CarryoverTrainer, CarryoverTrainingArguments
+
+
+@dataclass
+class ScriptArguments:
+    target: str = field(default="reference", metadata={"help": "'reference' (SmolLM2-135M-Instruct) or a model folder."})
+    target_dtype: str = field(default="bfloat16", metadata={"help": "dtype of the frozen target."})
+    data_dir: str = field(default="data/train", metadata={"help": "Folder of response shards."})
+    eval_data_dir: str | None = field(default=None, metadata={"help": "Folder of held-out response shards."})
+    max_train_records: int | None = field(default=None)
+    max_eval_records: int | None = field(default=64)
+    drafter_type: str = field(default="dflash")
+    carryover: bool = field(default=False)
+    block_size: int = field(default=16)
+    num_hidden_layers: int = field(default=5)
+    mask_token_id: int | None = field(default=None)
+    init_from: str | None = field(default=None, metadata={"help": "Drafter folder to continue from (stage 2)."})
+    config: str | None = field(default=None, metadata={"help": "JSON config file (CLI flags override it)."})
+    max_minutes: float | None = field(default=None, metadata={"help": "Safety stop after this many minutes "
+                                                             "(the LR schedule still follows max_steps)."})
+
+
+class TimeLimit(TrainerCallback):
+    """Stops (and checkpoints) a run that outlives its time budget; the log says it stopped early."""
+
+    def __init__(self, minutes: float):
+        self.deadline = time.time() + 60 * minutes
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if time.time() > self.deadline:
+            state.log_history.append({"stopped_early_at_step": state.global_step})
+            control.should_training_stop = True
+            control.should_save = True
+
+
+def parse(argv):
+    """Merge a JSON config file with CLI flags (CLI wins) and parse into the two dataclasses."""
+    merged = []
+    if "--config" in argv:
+        cfg = json.loads(Path(argv[argv.index("--config") + 1]).read_text())
+        for key, value in cfg.items():
+            merged += [f"--{key}", json.dumps(value) if isinstance(value, (list, dict)) else str(value)]
+    merged += argv
+    return HfArgumentParser((ScriptArguments, CarryoverTrainingArguments)).parse_args_into_dataclasses(args=merged)
+
+
+def load_target(script: ScriptArguments):
+    dtype = getattr(torch, script.target_dtype)
+    if script.target == "reference":
+        from hf_carryover.reference import reference_target
+
+        target, tokenizer = reference_target(dtype=dtype)
+        return target, tokenizer.pad_token_id
+    target = AutoModelForCausalLM.from_pretrained(script.target, dtype=dtype)
+    return target, target.config.pad_token_id
+
+
+def build_drafter(script: ScriptArguments, target):
+    if script.init_from:
+        drafter = Drafter.from_pretrained(script.init_from, carryover=script.carryover)
+        drafter.bind_target(target)  # fails loudly on a mismatched target
+        return drafter
+    mask_id = script.mask_token_id
+    if mask_id is None and script.target == "reference":
+        from hf_carryover.reference import SMOLLM2_MASK_TOKEN_ID as mask_id
+    return Drafter.from_target(target, drafter_type=script.drafter_type, carryover=script.carryover,
+                               block_size=script.block_size, num_hidden_layers=script.num_hidden_layers,
+                               mask_token_id=mask_id).float()
+
+
+def main(argv=None):
+    script, args = parse(sys.argv[1:] if argv is None else argv)
+    target, pad_id = load_target(script)
+    drafter = build_drafter(script, target)
+    train = ResponseDataset(script.data_dir, max_records=script.max_train_records)
+    evald = ResponseDataset(script.eval_data_dir, max_records=script.max_eval_records) if script.eval_data_dir else None
+    pad_id = pad_id if pad_id is not None else 0
+    trainer = CarryoverTrainer(model=drafter, args=args, target=target, train_dataset=train, eval_dataset=evald,
+                               data_collator=ResponseCollator(pad_id, args.max_seq_len),
+                               callbacks=[TimeLimit(script.max_minutes)] if script.max_minutes else None)
+    resume = args.resume_from_checkpoint
+    if resume == "auto":
+        resume = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
+    trainer.train(resume_from_checkpoint=resume)
+    final = Path(args.output_dir) / "final"
+    trainer.save_model(str(final))
+    if evald is not None:
+        metrics = trainer.evaluate()
+        if trainer.is_world_process_zero():
+            (final / "eval_metrics.json").write_text(json.dumps(metrics, indent=2))
+    if trainer.is_world_process_zero():
+        (final / "train_log.json").write_text(json.dumps(trainer.state.log_history, indent=2))
+    return trainer
+
+
+if __name__ == "__main__":
+    main()
