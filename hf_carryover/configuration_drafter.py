@@ -23,18 +23,19 @@ FINGERPRINT_KEYS = (
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
-    """Layers spread evenly from the 2nd to the 3rd-from-last (DESIGN.md §3).
+    """Distinct layers spread evenly from the 2nd to the 3rd-from-last (DESIGN.md §3).
 
-    For 36 target layers and 5 features this gives [1, 9, 17, 25, 33], the layers DFlash taps on Qwen3-4B.
-    The last layer is never tapped: HF's last hidden state is post-final-norm.
+    For 36 target layers and 5 features this gives [1, 9, 17, 25, 33], the layers DFlash taps on Qwen3-4B;
+    for SmolLM2's 30 layers, [1, 7, 14, 20, 27]. The last layer is never tapped: HF's last hidden state is
+    post-final-norm. Small targets get fewer, distinct layers rather than repeats.
     """
-    if num_target_layers < 4:
-        # Tiny test targets: tap every layer but the last.
-        return list(range(max(1, num_target_layers - 1)))[:num_features]
     start, end = 1, num_target_layers - 3
-    if num_features == 1:
+    if end <= start:  # tiny targets: every layer but the last, up to num_features of them
+        return list(range(max(1, num_target_layers - 1)))[:num_features]
+    n = min(num_features, end - start + 1)
+    if n == 1:
         return [start]
-    return [round(start + i * (end - start) / (num_features - 1)) for i in range(num_features)]
+    return [round(start + i * (end - start) / (n - 1)) for i in range(n)]
 
 
 def target_fingerprint(target_config) -> dict:

@@ -124,6 +124,8 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         tokens, logits = self._choose(input_ids, drafter.lm_logits(hidden).float())
         tokens, logits = self._crop_at_eos(tokens, logits)
         self.rounds.append({"proposals": tokens.shape[1], "accepted": 0})
+        if self.record_carryover:
+            self.rounds[-1]["tokens"] = tokens[0].tolist()
         self._pending = True
         candidate = torch.cat([input_ids, tokens.to(input_ids.device)], dim=-1)
         return candidate, logits.to(input_ids.device)

@@ -188,6 +188,10 @@ class Drafter(PreTrainedModel):
             nn.init.normal_(module.weight, std=std)
         elif isinstance(module, Qwen3RMSNorm):
             nn.init.ones_(module.weight)
+        elif isinstance(module, Qwen3RotaryEmbedding):
+            # inv_freq is a non-persistent buffer: from_pretrained allocates it empty and relies on this hook to
+            # recompute it (transformers' base implementation does); skipping it leaves garbage RoPE frequencies.
+            super()._init_weights(module)
         elif isinstance(module, Drafter):
             if module.mask_embedding is not None:
                 nn.init.normal_(module.mask_embedding, std=std)
@@ -232,7 +236,11 @@ class Drafter(PreTrainedModel):
 
     def bind_target(self, target) -> None:
         """Attach `target`'s frozen embedding and LM head after checking that it is the target we belong to."""
-        if self._target_parts.get("target_id") == id(target):
+        # id() alone is not enough: a freed target's id can be reused by the next one, and a target's embedding
+        # or head can be replaced. The parts we hold stay alive, so their identity is a safe check.
+        parts = self._target_parts
+        if (parts.get("target_id") == id(target) and parts.get("embed") is target.get_input_embeddings()
+                and parts.get("lm_head") is target.get_output_embeddings()):
             return
         fp = target_fingerprint(target.config)
         expected = self.config.target_fingerprint

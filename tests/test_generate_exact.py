@@ -195,3 +195,36 @@ def test_left_padded_prompt(drafter_type, record_calls):
     # committed rows in the drafter cache == committed tokens (anchor excluded) after every call
     for c in record_calls[1:]:
         assert c["cache_length"] == c["input_ids"].shape[1] - 1
+
+
+@pytest.mark.parametrize("drafter_type", DRAFTER_TYPES)
+def test_proposal_rows_layout(drafter_type, monkeypatch):
+    """DFlash proposes from block rows 1..B-1 (row k predicts its own token); Markov from rows 0..B-1
+    (row k predicts anchor+k+1). The logits handed to `_choose` must come from exactly those rows."""
+    from hf_carryover import Drafter
+
+    seen = {"hidden": [], "logits": []}
+    draft_hidden, choose = Drafter.draft_hidden, CarryoverCandidateGenerator._choose
+
+    def record_hidden(self, *args, **kwargs):
+        out = draft_hidden(self, *args, **kwargs)
+        seen["hidden"].append(out)
+        return out
+
+    def record_logits(self, input_ids, logits):
+        seen["logits"].append(logits.clone())
+        return choose(self, input_ids, logits)
+
+    monkeypatch.setattr(Drafter, "draft_hidden", record_hidden)
+    monkeypatch.setattr(CarryoverCandidateGenerator, "_choose", record_logits)
+    target = build_target("llama")
+    drafter = build_drafter(target, drafter_type, True, block_size=5)
+    speculative(target, drafter, make_prompt(5), 30)
+    first = 1 if drafter_type == "dflash" else 0
+    assert drafter.config.num_proposals == 5 - first
+    assert len(seen["hidden"]) == len(seen["logits"]) > 3
+    for hidden, logits in zip(seen["hidden"], seen["logits"]):
+        assert hidden.shape[1] == 5
+        n = logits.shape[1]
+        expected = drafter.lm_logits(hidden[:, first:first + n]).float()
+        torch.testing.assert_close(logits, expected, atol=0, rtol=0)

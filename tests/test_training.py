@@ -1,0 +1,200 @@
+"""Training path: masks, objectives, the Trainer, and alignment of training-time carryover with inference."""
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_carryover import Drafter
+from hf_carryover.training.data import ResponseCollator, ResponseDataset, regenerate_responses
+from hf_carryover.training.masks import dense_drafter_mask, verify_mask
+from hf_carryover.training.objectives import (
+    block_targets,
+    draft_blocks,
+    greedy_proposals,
+    sample_anchors,
+    stage1_loss,
+    stage2_loss,
+    target_pass,
+    verify_all,
+)
+
+
+def tiny_target(seed=0, vocab=64, init=0.02):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      eos_token_id=vocab - 1, bos_token_id=0, pad_token_id=0, initializer_range=init)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_drafter(target, typ="dflash", carryover=True, B=4):
+    torch.manual_seed(1)
+    return Drafter.from_target(target, drafter_type=typ, carryover=carryover, block_size=B, num_hidden_layers=2,
+                               mask_token_id=5)
+
+
+def loop_drafter_mask(anchors, ctx_valid, B, carry_valid=None, k=0, carry_offset=0):
+    """Independent reference: the visibility rules written as explicit loops."""
+    b, N = anchors.shape
+    L = ctx_valid.shape[1]
+    G = 0 if carry_valid is None else carry_valid.shape[1] // k
+    keys = L + G * k + N * B
+    out = torch.zeros(b, 1, N * B, keys, dtype=torch.bool)
+    for i in range(b):
+        for n in range(N):
+            for r in range(B):
+                q = n * B + r
+                for j in range(L):
+                    out[i, 0, q, j] = bool(j < anchors[i, n] and ctx_valid[i, j])
+                for g in range(G):
+                    for c in range(k):
+                        out[i, 0, q, L + g * k + c] = bool(g + carry_offset == n and carry_valid[i, g * k + c])
+                for r2 in range(B):
+                    out[i, 0, q, L + G * k + n * B + r2] = True
+    return out
+
+
+@pytest.mark.parametrize("with_carry", [False, True])
+def test_drafter_mask_matches_loop_reference(with_carry):
+    torch.manual_seed(0)
+    b, L, N, B, k = 2, 11, 3, 4, 3
+    anchors = torch.tensor([[2, 5, 9], [1, 3, 4]])
+    ctx_valid = torch.ones(b, L, dtype=torch.bool)
+    ctx_valid[1, 8:] = False  # padding
+    carry_valid = torch.rand(b, 2 * k) > 0.4 if with_carry else None
+    kw = dict(carry_valid=carry_valid, k=k if with_carry else 0, carry_offset=1 if with_carry else 0)
+    assert torch.equal(dense_drafter_mask(anchors, ctx_valid, B, **kw), loop_drafter_mask(anchors, ctx_valid, B, **kw))
+
+
+def test_verify_mask_matches_loop_reference():
+    anchors = torch.tensor([[2, 6], [1, 4]])
+    ctx_valid = torch.ones(2, 9, dtype=torch.bool)
+    ctx_valid[0, 7:] = False
+    k, L, N = 3, 9, 2
+    m = verify_mask(anchors, ctx_valid, k)[:, 0]
+    T = L + N * (k + 1)
+    for i in range(2):
+        for q in range(T):
+            for kv in range(T):
+                if q < L:
+                    want = kv < L and kv <= q and bool(ctx_valid[i, kv])
+                else:
+                    n, r = divmod(q - L, k + 1)
+                    if kv < L:
+                        want = kv < anchors[i, n] and bool(ctx_valid[i, kv])
+                    else:
+                        n2, r2 = divmod(kv - L, k + 1)
+                        want = n2 == n and r2 <= r
+                want = want or q == kv
+                assert bool(m[i, q, kv]) == want, (i, q, kv)
+
+
+def _recorded_batch(target, n=6, new=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    seqs, plens = [], []
+    for _ in range(n):
+        p = torch.randint(1, 60, (int(torch.randint(3, 8, (1,), generator=g)),), generator=g)
+        out = target.generate(p[None], max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        seqs.append(out[0].tolist())
+        plens.append(len(p))
+    return ResponseCollator(0)([{"id": i, "prompt_len": pl, "input_ids": s} for i, (pl, s) in enumerate(zip(plens, seqs))])
+
+
+@pytest.mark.parametrize("typ", ["dflash", "markov"])
+def test_loss_decreases_and_every_parameter_changes(typ):
+    target = tiny_target(init=0.3)  # a wide embedding: the frozen LM head must be able to express confidence
+    drafter = tiny_drafter(target, typ)
+    batch = _recorded_batch(target)
+    before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    losses = []
+    for step in range(60):
+        fn = stage1_loss if step % 2 == 0 else stage2_loss  # both objectives touch every parameter between them
+        loss, _ = fn(drafter, drafter, target, batch, num_anchors=16, generator=torch.Generator().manual_seed(0))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step % 2 == 0:
+            losses.append(loss.item())
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3, losses
+    unchanged = [n for n, p in drafter.named_parameters() if torch.equal(p, before[n])]
+    assert not unchanged, unchanged
+
+
+@pytest.mark.parametrize("typ", ["dflash", "markov"])
+def test_training_carryover_equals_inference_carryover(typ):
+    """fp32: the rejected-row states stage 2 computes for an anchor and its proposal (one verify forward for all
+    anchors, block-sparse mask) equal what generate() hands the drafter for the same prefix and proposal."""
+    target = tiny_target(seed=3)
+    drafter = tiny_drafter(target, typ)
+    drafter.record_carryover = True
+    prompt = torch.randint(1, 60, (1, 6), generator=torch.Generator().manual_seed(7))
+    seq = target.generate(prompt, assistant_model=drafter, max_new_tokens=40, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    gen = drafter.last_candidate_generator
+    rec = gen.rounds_carryover
+    # Round r's carryover comes from verifying the proposals of round r-1, anchored at rec[r-1]["committed"].
+    # Every drafting call (but the last) is followed by a verification; rounds[r] holds its proposals.
+    pairs = [(rec[r - 1]["committed"], rec[r], gen.rounds[r - 1]["tokens"])
+             for r in range(1, len(rec)) if rec[r]["features"] is not None]
+    assert pairs, "the random drafter should have had rejections"
+    L = seq.shape[1]
+    batch = {"input_ids": seq, "prompt_len": torch.tensor([prompt.shape[1]]), "seq_len": torch.tensor([L])}
+    ctx_valid = torch.ones(1, L, dtype=torch.bool)
+    anchors = torch.tensor([[t for t, _, _ in pairs]])
+    k = drafter.config.num_proposals
+    proposals = torch.tensor([[toks + [0] * (k - len(toks)) for _, _, toks in pairs]])  # pad: rows are causal
+    # (training's own draft-1 proposals are not compared: inference rounds >= 1 also see carryover rows)
+    accepted, vfeats = verify_all(target, drafter, seq, ctx_valid, batch["seq_len"], anchors,
+                                  torch.ones_like(anchors, dtype=torch.bool), proposals)
+    for n, (t, r, _) in enumerate(pairs):
+        a = int(accepted[0, n])
+        n_rej = r["features"].shape[1]
+        # inference may draft fewer than k near max_length; compare the rows it had
+        assert torch.equal(r["positions"][0], torch.arange(t + a + 1, t + a + 1 + n_rej))
+        torch.testing.assert_close(vfeats[0, n, a: a + n_rej], r["features"][0], atol=1e-5, rtol=1e-4)
+        assert a + n_rej <= k
+
+
+def test_trainer_runs_and_resumes(tmp_path):
+    """CPU: a tiny stage-1 run through `trainer/train.py`, then stage 2 from its output, then a resume."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    from trainer.train import main
+
+    target = tiny_target()
+    target.save_pretrained(tmp_path / "target")
+    prompts = [(f"p{i}", torch.randint(1, 60, (5,)).tolist()) for i in range(12)]
+    regenerate_responses(target, prompts, tmp_path / "data", max_new_tokens=20, batch_size=6, shard_size=6)
+    assert 8 <= len(ResponseDataset(tmp_path / "data")) <= 12  # records with < 2 response tokens are dropped
+    common = ["--target", str(tmp_path / "target"), "--target_dtype", "float32", "--data_dir", str(tmp_path / "data"),
+              "--eval_data_dir", str(tmp_path / "data"), "--block_size", "4", "--num_hidden_layers", "2",
+              "--mask_token_id", "5", "--per_device_train_batch_size", "4", "--num_anchors", "8",
+              "--report_to", "none", "--use_cpu", "true", "--logging_steps", "1", "--save_steps", "2"]
+    main(common + ["--output_dir", str(tmp_path / "s1"), "--max_steps", "2"])
+    metrics = json.loads((tmp_path / "s1" / "final" / "eval_metrics.json").read_text())
+    assert len(metrics["eval_acc_per_pos"]) == 3
+    main(common + ["--output_dir", str(tmp_path / "s2"), "--max_steps", "2", "--stage", "2",
+                   "--carryover", "true", "--init_from", str(tmp_path / "s1" / "final")])
+    metrics = json.loads((tmp_path / "s2" / "final" / "eval_metrics.json").read_text())
+    assert "eval_acc_per_pos_carry" in metrics
+    trainer = main(common + ["--output_dir", str(tmp_path / "s1"), "--max_steps", "4", "--resume_from_checkpoint", "auto"])
+    assert trainer.state.global_step == 4
+    with pytest.raises(ValueError, match="carryover=True"):
+        main(common + ["--output_dir", str(tmp_path / "bad"), "--max_steps", "1", "--stage", "2"])
+
+
+def test_block_targets_layouts():
+    """DFlash proposal j and Markov proposal j both predict the token at anchor + j; Markov has one more."""
+    ids = torch.arange(20)[None]
+    anchors = torch.tensor([[3]])
+    ok = torch.ones(1, 1, dtype=torch.bool)
+    labels, valid, prev, _ = block_targets(ids, torch.tensor([20]), anchors, ok, 4)
+    assert labels[0, 0].tolist() == [4, 5, 6, 7] and prev[0, 0].tolist() == [3, 4, 5, 6]
+    labels, valid, _, _ = block_targets(ids, torch.tensor([6]), anchors, ok, 4)
+    assert valid[0, 0].tolist() == [True, True, False, False]
+    a, v = sample_anchors(torch.tensor([2]), torch.tensor([5]), 8)
+    assert a[0, v[0]].tolist() == [2, 3]
