@@ -1,0 +1,96 @@
+"""Exact offline τ at T=0: replay speculative decoding against one greedy target rollout per prompt.
+
+Why: at T=0 the tokens speculative decoding emits are the target's greedy rollout, whatever the drafter does,
+so every round's outcome is fixed by (anchor position, drafter proposals, recorded tokens). We can therefore
+replay all prompts *in one batch*, round by round: one drafter forward for every prompt's block, one target
+forward that verifies every block against its recorded prefix (the block-sparse verification of training),
+accepted length = leading proposals equal to the recorded tokens. That reproduces the rounds of
+`target.generate(assistant_model=drafter)` exactly (a test checks it, Carryover included), at the cost of a
+few batched forwards per round instead of one generate() call per prompt — EDR's observation (DESIGN.md §7)
+that T=0 speculative decoding is a deterministic walk over one rollout.
+
+Rules mirrored from the online path: proposals are cut to the remaining length budget and after the first
+EOS; the carryover of the next round is verify rows a+1..n of the proposals actually verified; a round with
+no proposal left (budget exhausted) is not a draft round.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..training.objectives import draft_blocks, greedy_proposals, target_pass, verify_all
+
+
+@torch.no_grad()
+def offline_rounds(target, drafter, rollouts, max_new_tokens: int, eos_token_ids=(), batch_size: int = 64):
+    """Accepted-length sequence per prompt.
+
+    rollouts: list of `(prompt_len, token_ids)` where token_ids = prompt + the target's greedy response
+    (as produced with the same `max_new_tokens` and EOS). Returns a list (one per prompt) of dicts
+    `{"accepted": [...], "proposals": [...]}` matching `CarryoverCandidateGenerator.rounds`.
+    """
+    out = []
+    for i in range(0, len(rollouts), batch_size):
+        out += _replay(target, drafter, rollouts[i : i + batch_size], max_new_tokens, eos_token_ids)
+    return out
+
+
+def _replay(target, drafter, rollouts, max_new_tokens, eos_token_ids):
+    device = next(drafter.parameters()).device
+    cfg = drafter.config
+    k = cfg.num_proposals
+    b = len(rollouts)
+    L = max(len(ids) for _, ids in rollouts)
+    ids = torch.zeros(b, L, dtype=torch.long, device=device)
+    for r, (_, seq) in enumerate(rollouts):
+        ids[r, : len(seq)] = torch.tensor(seq, device=device)
+    plen = torch.tensor([p for p, _ in rollouts], device=device)
+    slen = torch.tensor([len(s) for _, s in rollouts], device=device)
+    max_len = plen + max_new_tokens  # generate()'s max_length per prompt
+    ctx_valid = torch.arange(L, device=device)[None] < slen[:, None]
+    feats, _ = target_pass(target, drafter, ids, ctx_valid, need_logits=False)
+    eos = torch.tensor(list(eos_token_ids), dtype=torch.long, device=device)
+    j = torch.arange(1, k + 1, device=device)
+
+    t = plen.clone()  # anchor = position of the first generated token (the prefill's bonus token)
+    carry = carry_pos = carry_valid = None
+    rounds = [{"accepted": [], "proposals": []} for _ in range(b)]
+    while True:
+        budget = max_len - (t + 1) - 1  # proposals that could still be emitted, as in get_candidates
+        active = (t < slen - 1) & (budget > 0)
+        if not active.any():
+            break
+        anchors = t.clamp(max=L - 1)[:, None]
+        hidden = draft_blocks(drafter, drafter, ids, feats, ctx_valid, anchors,
+                              carry=carry, carry_pos=carry_pos, carry_valid=carry_valid,
+                              k=0 if carry is None else k)
+        props = greedy_proposals(drafter, hidden, ids.gather(1, anchors))  # [b, 1, k]
+        n_prop = torch.minimum(budget, torch.full_like(budget, k))
+        if eos.numel():
+            is_eos = torch.isin(props[:, 0], eos) & (j[None] <= n_prop[:, None])
+            first = torch.where(is_eos.any(-1), is_eos.float().argmax(-1) + 1, torch.full_like(n_prop, k))
+            n_prop = torch.minimum(n_prop, first)
+        accepted, vfeats = verify_all(target, drafter, ids, ctx_valid, slen, anchors, active[:, None], props)
+        accepted = torch.minimum(accepted[:, 0], n_prop)
+        if eos.numel():  # generate() crops at an accepted EOS and counts it as the round's last token
+            last = ids.gather(1, (slen - 1)[:, None])[:, 0]
+            hit_eos = (t + accepted == slen - 1) & torch.isin(last, eos) & (accepted > 0)
+            accepted = accepted - hit_eos.long()
+        for r in torch.nonzero(active).flatten().tolist():
+            rounds[r]["accepted"].append(int(accepted[r]))
+            rounds[r]["proposals"].append(int(n_prop[r]))
+        if cfg.carryover:
+            carry = vfeats[:, 0]  # [b, k, F]: rows 1..k of this verification
+            carry_pos = t[:, None] + j
+            carry_valid = (j[None] > accepted[:, None]) & (j[None] <= n_prop[:, None]) & active[:, None]
+        t = torch.where(active, t + accepted + 1, t)
+    return rounds
+
+
+def tau_from_rounds(rounds) -> float:
+    """τ over all prompts: Σ(accepted + 1) / number of draft rounds."""
+    acc = [a for r in rounds for a in r["accepted"]]
+    return (sum(acc) + len(acc)) / max(len(acc), 1)
+
+
+__all__ = ["offline_rounds", "tau_from_rounds"]
