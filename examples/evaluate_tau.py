@@ -9,6 +9,10 @@ Prompts come from `<prompts_dir>/<dataset>.jsonl` (`{"id", "input_ids"}`, chat t
 command, git commit, hardware and versions. Several worker processes share one GPU: a 135M target decodes
 launch-bound, so separate processes overlap their kernel launches. T=1 samples from the unmodified
 distribution (top-k/top-p off). τ counts draft rounds only (the prefill forward emits one token unaided).
+
+`--offline` (T=0 only): one batched greedy rollout of the target per prompt, then every drafter is replayed
+against it with `hf_carryover.evaluation.offline_tau` (exact: tested equal to the rounds of `generate()`),
+a few batched forwards per round instead of one `generate()` call per prompt and drafter.
 """
 
 from __future__ import annotations
@@ -72,6 +76,44 @@ def worker(rank, args, jobs):
         out.flush()
 
 
+def offline(args):
+    """T=0 τ by exact replay over batched greedy rollouts; writes the same raw records as `worker`."""
+    import torch
+    from transformers import AutoModel
+
+    from hf_carryover.evaluation.offline_tau import offline_rounds
+    from hf_carryover.reference import reference_target
+    from hf_carryover.training.data import regenerate_responses
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype)
+    target, tok = reference_target(dtype=dtype)
+    target = target.to(device).eval()
+    eos = target.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos)
+    out = open(Path(args.out) / "raw-offline.jsonl", "a")
+    for dataset in args.datasets:
+        rows = load_prompts(args.prompts_dir, dataset, args.limit)
+        roll_dir = Path(args.out) / f"rollouts-{dataset}"
+        regenerate_responses(target, [(r["id"], r["input_ids"]) for r in rows], roll_dir,
+                             max_new_tokens=args.max_new_tokens, batch_size=64, pad_token_id=tok.pad_token_id)
+        recs = [json.loads(x) for f in sorted(roll_dir.glob("shard-*.jsonl")) for x in f.read_text().splitlines()]
+        for spec in args.drafters:
+            name, path = spec.split("=", 1)
+            drafter = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=dtype).to(device).eval()
+            drafter.bind_target(target)
+            t0 = time.perf_counter()
+            rounds = offline_rounds(target, drafter, [(r["prompt_len"], r["input_ids"]) for r in recs],
+                                    args.max_new_tokens, eos_token_ids=eos, batch_size=32)
+            dt = time.perf_counter() - t0
+            for r, rd in zip(recs, rounds):
+                out.write(json.dumps({"drafter": name, "dataset": dataset, "temperature": 0.0, "id": r["id"],
+                                      "new_tokens": len(r["input_ids"]) - r["prompt_len"], "seconds": dt / len(recs),
+                                      "accepted": rd["accepted"], "proposals": rd["proposals"], "offline": True}) + "\n")
+            out.flush()
+            print(f"{name} {dataset}: offline replay of {len(recs)} prompts in {dt:.1f}s", flush=True)
+
+
 def environment():
     import torch
     import transformers
@@ -100,7 +142,8 @@ def summarize(out_dir, max_positions=16):
         table[f"{name}|{dataset}|T={temp}"] = {
             "drafter": name, "dataset": dataset, "temperature": temp, "prompts": len(recs), "rounds": rounds,
             "tau": (sum(acc) + rounds) / max(rounds, 1),
-            "tokens_per_s_hf": sum(r["new_tokens"] for r in recs) / max(sum(r["seconds"] for r in recs), 1e-9),
+            "tokens_per_s_hf": None if recs[0].get("offline") else
+            sum(r["new_tokens"] for r in recs) / max(sum(r["seconds"] for r in recs), 1e-9),
             "p_accept_at_least": reach,
         }
     means = defaultdict(list)
@@ -123,9 +166,12 @@ def main():
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", required=True)
     p.add_argument("--summarize_only", action="store_true")
+    p.add_argument("--offline", action="store_true", help="T=0 by exact replay (see module docstring)")
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    if not args.summarize_only:
+    if args.offline:
+        offline(args)
+    elif not args.summarize_only:
         done = set()
         for path in Path(args.out).glob("raw-*.jsonl"):  # resume: skip finished generations
             for line in path.read_text().splitlines():

@@ -3,8 +3,9 @@
 #   stash    carries GGUF part 1 to ~/assets, checks the GPU stack on a random SmolLM2-shaped target
 #   prepare  joins the GGUF (md5-checked), converts it, regenerates responses, trains stage 1 (dflash, markov)
 #   stage2   continues each stage-1 drafter twice with equal steps: baseline (stage-1 objective) and Carryover
-#   eval     tau through target.generate for the four drafters; packs bf16 checkpoints into $OUT
-#   fetch N  copies packed checkpoint N into $OUT (results come back 64 MB per call)
+#   eval     tau of the four drafters: T=0 by exact offline replay, T=1 through target.generate
+#   pack     bf16 copies of the four drafters, 15 MB shards
+#   fetch N.. tars the named packed drafters into $OUT in 15 MB parts (64 MB come back per call)
 # Every figure goes to $OUT as soon as it exists. Paths on the machine: ~/assets (kept while it stays warm).
 set -euo pipefail
 phase=$1
@@ -75,11 +76,16 @@ stage2)
 eval)
   D=""
   for r in dflash-baseline dflash-carryover markov-baseline markov-carryover; do D="$D $r=$A/runs/$r/final"; done
-  timeout ${EVAL_SECONDS:-480} python3 examples/evaluate_tau.py --drafters $D --datasets ${EVAL_DATASETS:-mtbench humaneval sharegpt} \
-    --temperatures ${EVAL_TEMPS:-0} --workers ${EVAL_WORKERS:-12} --out $A/tau ${EVAL_LIMIT:+--limit $EVAL_LIMIT} 2>&1 | tail -5 || true
-  python3 examples/evaluate_tau.py --drafters $D --out $A/tau --summarize_only > /dev/null
-  cp $A/tau/summary.json "$OUT/tau_summary.json"
-  cat $A/tau/raw-*.jsonl | gzip > "$OUT/tau_raw.jsonl.gz"
+  # T=0: exact offline replay over one batched greedy rollout per prompt (fast, all prompts)
+  python3 examples/evaluate_tau.py --offline --drafters $D --datasets mtbench humaneval sharegpt \
+    --out $A/tau0 > "$L/tau0.log" 2>&1 || true
+  cp $A/tau0/summary.json "$OUT/tau0_summary.json" || true
+  # T=1: generate() in ONE process (several processes on one GPU time-slice and crawl), time-boxed
+  timeout ${EVAL_SECONDS:-300} python3 examples/evaluate_tau.py --drafters $D --datasets ${EVAL_DATASETS:-mtbench humaneval sharegpt} \
+    --temperatures 1 --workers 1 --out $A/tau1 ${EVAL_LIMIT:+--limit $EVAL_LIMIT} > "$L/tau1.log" 2>&1 || true
+  python3 examples/evaluate_tau.py --drafters $D --out $A/tau1 --summarize_only > /dev/null
+  cp $A/tau1/summary.json "$OUT/tau1_summary.json"
+  cat $A/tau0/raw-*.jsonl $A/tau1/raw-*.jsonl | gzip > "$OUT/tau_raw.jsonl.gz"
   log "eval done"
   ;;
 pack)
@@ -97,7 +103,7 @@ EOF
 fetch)
   shift
   # one tar of the named drafters, cut into 15 MB parts (16 MB a file, 64 MB a call come back)
-  tar cf - -C $A/pack "$@" | split -b 15M - "$OUT/ckpt-$(echo "$@" | tr ' ' '+').tar.part"
+  tar cf - -C $A/pack "$@" | split -b 15M - "$OUT/ckpt-$(echo "$@" | tr ' ' '_').tar.part"  # names: [A-Za-z0-9._-]
   ls -la "$OUT"
   ;;
 esac

@@ -1,0 +1,131 @@
+"""Model cards for drafter folders, generated from one template and measured results.
+
+`push_to_hub` overwrites a repo's README, so the card is written (or pushed) afterwards with
+`huggingface_hub.ModelCard`: YAML metadata (base_model = the target, library, tags, `model-index` with the
+measured τ) followed by quick start, training, target compatibility and results sections. Only numbers present
+in the results file appear; a missing measurement is written as "not measured", never filled in.
+
+Results file: the `summary.json` of `examples/evaluate_tau.py` (rows keyed "drafter|dataset|T=...") with its
+`environment` block; `drafter_key` selects this drafter's rows.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+DATASETS = {
+    "mtbench": ("MT-Bench (80 first turns)", "HuggingFaceH4/mt_bench_prompts"),
+    "humaneval": ("HumanEval (164)", "openai/openai_humaneval"),
+    "sharegpt": ("ShareGPT held-out", "anon8231489123/ShareGPT_Vicuna_unfiltered"),
+}
+
+TEMPLATE = """
+# {name}
+
+A **{kind}** drafter{carry_text} for speculative decoding of **{base_model}** with
+[hf_carryover](https://pypi.org/project/hf-carryover/). It proposes {num_proposals} tokens per round in one forward
+pass; the target verifies them, so the output is exactly the target's own (greedy: token for token).
+
+## Quick start
+
+```python
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+target = AutoModelForCausalLM.from_pretrained("{base_model}")
+tokenizer = AutoTokenizer.from_pretrained("{base_model}")
+drafter = AutoModel.from_pretrained("{repo_id}", trust_remote_code=True)
+
+ids = tokenizer.apply_chat_template([{{"role": "user", "content": "Hello!"}}], add_generation_prompt=True,
+                                    return_tensors="pt")
+out = target.generate(ids, assistant_model=drafter, max_new_tokens=256)
+print(drafter.last_candidate_generator.tau)  # tokens per target forward
+```
+
+Loading the drafter's code (`trust_remote_code=True`) hooks `generate()` so that `assistant_model=drafter`
+runs the block drafter; transformers >= 5.17 is required. Batch size 1 (transformers' assisted decoding).
+
+## Target compatibility
+
+| | |
+|---|---|
+| target | `{base_model}` ({fp}) |
+| target layers tapped | {layers} (HF `hidden_states[i + 1]`) |
+| block size | {block_size} ({num_proposals} proposals per round) |
+| drafter layers | {num_layers} (Qwen3-style, KV injection of fused target features) |
+| mask input | {mask} |
+| Carryover | {carryover} |
+
+Binding this drafter to a target with another fingerprint raises a `ValueError`.
+
+## Training
+
+{training}
+
+## Results
+
+{results}
+
+## Limitations
+
+Measured τ depends on the prompt domain and on sampling temperature; speed also depends on the engine
+(transformers' `generate()` is launch-bound for small targets). See the results' hardware and versions.
+"""
+
+
+def _rows(summary: dict, drafter_key: str) -> list[dict]:
+    return [r for r in summary.get("results", {}).values() if r["drafter"] == drafter_key]
+
+
+def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: dict | None = None,
+                     drafter_key: str | None = None, training_text: str = "") -> ModelCard:
+    """Card for the drafter saved in `folder` (its config.json supplies the compatibility facts)."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    rows = _rows(summary, drafter_key) if summary and drafter_key else []
+    evals = []
+    for r in rows:
+        ds_name, ds_id = DATASETS.get(r["dataset"], (r["dataset"], r["dataset"]))
+        evals.append(EvalResult(task_type="text-generation", task_name="speculative decoding",
+                                dataset_type=ds_id, dataset_name=ds_name,
+                                dataset_args={"temperature": r["temperature"], "max_new_tokens": summary.get("max_new_tokens")},
+                                metric_type="tau", metric_name=f"τ (mean accepted length), T={r['temperature']:g}",
+                                metric_value=round(r["tau"], 3)))
+    data = ModelCardData(base_model=base_model, library_name="transformers", license="apache-2.0",
+                         tags=["speculative-decoding", "hf_carryover", cfg["drafter_type"]]
+                         + (["carryover"] if cfg.get("carryover") else []),
+                         model_name=name, eval_results=evals or None)
+    if rows:
+        env = summary.get("environment", {})
+        lines = ["| dataset | T | prompts | draft rounds | τ |", "|---|---|---|---|---|"]
+        lines += [f"| {DATASETS.get(r['dataset'], (r['dataset'],))[0]} | {r['temperature']:g} | {r['prompts']} | "
+                  f"{r['rounds']} | {r['tau']:.2f} |" for r in rows]
+        lines.append(f"\nMeasured with `{summary.get('command', '?')}` at commit `{env.get('commit')}` on "
+                     f"{env.get('gpu')}, torch {env.get('torch')}, transformers {env.get('transformers')}; "
+                     f"max {summary.get('max_new_tokens')} new tokens, batch 1.")
+        results = "\n".join(lines)
+    else:
+        results = "Not measured yet."
+    fp = cfg.get("target_fingerprint") or {}
+    body = TEMPLATE.format(
+        name=name, repo_id=repo_id, base_model=base_model,
+        kind={"dflash": "DFlash-style block", "markov": "Markov (DSpark-style) block"}[cfg["drafter_type"]],
+        carry_text=" with **Carryover** (it reuses the target's hidden states of rejected tokens)" if cfg.get("carryover") else "",
+        num_proposals=cfg["block_size"] - (1 if cfg["drafter_type"] == "dflash" else 0),
+        fp=", ".join(f"{k} {v}" for k, v in fp.items()), layers=cfg["target_layer_ids"], block_size=cfg["block_size"],
+        num_layers=cfg["num_hidden_layers"],
+        mask="learned embedding" if cfg.get("learned_mask_embedding") else f"target token id {cfg.get('mask_token_id')}",
+        carryover="on" if cfg.get("carryover") else "off", training=training_text or "Not documented.", results=results)
+    return ModelCard.from_template(data, template_str="---\n{{ card_data }}\n---\n" + body)
+
+
+def write_model_card(folder, **kwargs) -> Path:
+    """Build the card and save it as `folder/README.md` (call after `save_pretrained`/`push_to_hub`)."""
+    card = build_model_card(folder, **kwargs)
+    path = Path(folder) / "README.md"
+    card.save(path)
+    return path
+
+
+__all__ = ["build_model_card", "write_model_card"]

@@ -1,0 +1,37 @@
+"""Model cards: YAML metadata with measured τ in model-index, compatibility facts from config, no invented numbers."""
+
+import json
+
+from huggingface_hub import ModelCard
+
+from hf_carryover.model_card import write_model_card
+from test_training import tiny_drafter, tiny_target
+
+
+def test_card_from_results(tmp_path):
+    drafter = tiny_drafter(tiny_target(), "markov", carryover=True)
+    drafter.save_pretrained(tmp_path)
+    summary = {"command": "python examples/evaluate_tau.py ...", "max_new_tokens": 256,
+               "environment": {"commit": "abc123", "gpu": "NVIDIA H200", "torch": "2.11", "transformers": "5.17"},
+               "results": {"x|mtbench|T=0.0": {"drafter": "x", "dataset": "mtbench", "temperature": 0.0,
+                                               "prompts": 80, "rounds": 900, "tau": 3.21},
+                           "y|mtbench|T=0.0": {"drafter": "y", "dataset": "mtbench", "temperature": 0.0,
+                                               "prompts": 80, "rounds": 900, "tau": 9.99}}}
+    path = write_model_card(tmp_path, name="tiny", repo_id="org/tiny", base_model="org/target", summary=summary,
+                            drafter_key="x", training_text="Trained on nothing.")
+    card = ModelCard.load(path)
+    assert card.data.base_model == "org/target" and "carryover" in card.data.tags
+    results = card.data.eval_results
+    assert [r.metric_value for r in results] == [3.21]  # only this drafter's row
+    text = path.read_text()
+    assert "9.99" not in text and "NVIDIA H200" in text and "abc123" in text
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert str(cfg["target_layer_ids"]) in text and "Trained on nothing." in text
+
+
+def test_card_without_results_says_so(tmp_path):
+    tiny_drafter(tiny_target(), "dflash", carryover=False).save_pretrained(tmp_path)
+    path = write_model_card(tmp_path, name="tiny", repo_id="org/tiny", base_model="org/target")
+    card = ModelCard.load(path)
+    assert not card.data.eval_results
+    assert "Not measured yet." in path.read_text()
