@@ -122,6 +122,8 @@ def environment():
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = None
+    if not commit or len(commit) != 40:  # a copied tree without history (the GPU machine) prints "HEAD"
+        commit = None
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
     return {"commit": commit or os.environ.get("HF_CARRYOVER_COMMIT"), "gpu": gpu, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version()}
