@@ -80,12 +80,16 @@ eval)
   python3 examples/evaluate_tau.py --offline --drafters $D --datasets mtbench humaneval sharegpt \
     --out $A/tau0 > "$L/tau0.log" 2>&1 || true
   cp $A/tau0/summary.json "$OUT/tau0_summary.json" || true
+  # T=0 and T=1 through the batched engine (all prompts as rows; rounds equal generate()'s but the last)
+  python3 examples/evaluate_tau.py --engine --drafters $D --datasets mtbench humaneval sharegpt \
+    --temperatures 0 1 --out $A/tau_engine > "$L/tau_engine.log" 2>&1 || true
+  cp $A/tau_engine/summary.json "$OUT/tau_engine_summary.json" || true
   # T=1: generate() in ONE process (several processes on one GPU time-slice and crawl), time-boxed
   timeout ${EVAL_SECONDS:-300} python3 examples/evaluate_tau.py --drafters $D --datasets ${EVAL_DATASETS:-mtbench humaneval sharegpt} \
     --temperatures 1 --workers 1 --out $A/tau1 ${EVAL_LIMIT:+--limit $EVAL_LIMIT} > "$L/tau1.log" 2>&1 || true
   python3 examples/evaluate_tau.py --drafters $D --out $A/tau1 --summarize_only > /dev/null
   cp $A/tau1/summary.json "$OUT/tau1_summary.json"
-  cat $A/tau0/raw-*.jsonl $A/tau1/raw-*.jsonl | gzip > "$OUT/tau_raw.jsonl.gz"
+  cat $A/tau0/raw-*.jsonl $A/tau_engine/raw-*.jsonl $A/tau1/raw-*.jsonl | gzip > "$OUT/tau_raw.jsonl.gz"
   log "eval done"
   ;;
 pack)

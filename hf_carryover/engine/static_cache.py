@@ -1,0 +1,75 @@
+"""Position-indexed static KV caches for the fast engine (gpt-fast style: preallocate once, never copy).
+
+Both caches store row r's key/value for absolute position p at index p. Nothing is ever cropped: a rejected
+draft's K/V stays where it was written, invisible because attention masks by position (a query at position q
+sees keys at positions <= q for the target, < anchor for the drafter), and the next verification overwrites
+it. Rollback is therefore free, and every round has the same shapes (what CUDA graphs need).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TargetStaticCache:
+    """Duck-typed transformers cache: each attention layer calls `update(k, v, layer_idx)`; we scatter the new rows
+    at `self.positions` `[b, n]` and hand back the whole buffer `[b, kv_heads, max_len, head_dim]`. The 4D mask
+    passed with it makes the model attend only to written, causal positions."""
+
+    is_compileable = False
+
+    def __init__(self, num_layers, batch, kv_heads, max_len, head_dim, dtype, device):
+        self.is_sliding = [False] * num_layers  # read by transformers' mask helpers (5.17: one flag per layer)
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.positions: torch.Tensor | None = None
+        self.max_len = max_len
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # [b, n] -> [b, kv_heads, n, head_dim] index for scatter along the position axis
+        idx = self.positions[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[-1])
+        self.k[layer_idx].scatter_(2, idx, key_states.to(self.k[layer_idx].dtype))
+        self.v[layer_idx].scatter_(2, idx, value_states.to(self.v[layer_idx].dtype))
+        return self.k[layer_idx], self.v[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions are always passed explicitly
+
+    def get_mask_sizes(self, *args, **kwargs):
+        return self.max_len, 0
+
+    def __len__(self):
+        return len(self.k)
+
+    def causal_mask(self, positions: torch.Tensor) -> torch.Tensor:
+        """`[b, 1, n, max_len]` bool: query at position q sees keys at positions <= q."""
+        keys = torch.arange(self.max_len, device=positions.device)
+        return keys[None, None, None, :] <= positions[:, None, :, None]
+
+
+class DrafterStaticCache:
+    """Committed-context K/V of the drafter, per layer `[b, kv_heads, max_len, head_dim]`, indexed by position.
+
+    Looks like `DrafterContextCache` to `Drafter.forward` (`keys`, `values`, `length`); the engine passes a mask
+    that shows row r only positions < its anchor, so stale rows written by earlier rounds are never read.
+    """
+
+    def __init__(self, num_layers, batch, kv_heads, max_len, head_dim, dtype, device):
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.length = max_len
+
+    @torch.no_grad()
+    def write(self, drafter, fused: torch.Tensor, positions: torch.Tensor) -> None:
+        """Project fused context rows `[b, n, d]` through every layer's k/v and store them at `positions` `[b, n]`."""
+        cos, sin = drafter.rotary_emb(fused, positions)
+        for i, layer in enumerate(drafter.layers):
+            k, v = layer.self_attn.project_kv(fused, cos, sin)  # [b, kvh, n, hd]
+            idx = positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
+            self.keys[i].scatter_(2, idx, k.to(self.keys[i].dtype))
+            self.values[i].scatter_(2, idx, v.to(self.values[i].dtype))
+
+
+__all__ = ["TargetStaticCache", "DrafterStaticCache"]

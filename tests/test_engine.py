@@ -1,0 +1,86 @@
+"""Fast engine (eager reference, CPU): exact greedy output, the same rounds as generate(), lossless sampling."""
+
+import pytest
+import torch
+from conftest import build_drafter, build_target
+from test_offline_tau import overfit
+from test_sampling import ALPHA, NEW, PROMPT, VOCAB16, _drafter, _pvalues, _target
+
+from hf_carryover.engine.engine import SpeculativeEngine
+
+
+def _greedy_refs(target, prompts, max_new, eos=None):
+    kw = {} if eos is None else {"eos_token_id": eos}
+    return [target.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False, **kw)[0, len(p):].tolist()
+            for p in prompts]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("typ", ["dflash", "markov", None])
+@pytest.mark.parametrize("carryover", [False, True])
+def test_greedy_batch_equals_plain_greedy(arch, typ, carryover):
+    if typ is None and carryover:
+        pytest.skip("plain AR has no carryover")
+    target = build_target(arch)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 90, (n,), generator=g).tolist() for n in (1, 6, 13, 4)]
+    refs = _greedy_refs(target, prompts, 23)  # 23: ends inside a block
+    drafter = build_drafter(target, typ, carryover) if typ else None
+    engine = SpeculativeEngine(target, drafter, max_len=96)
+    assert engine.generate(prompts, max_new_tokens=23) == refs
+
+
+@pytest.mark.parametrize("typ", ["dflash", "markov"])
+def test_eos_mid_block_per_row(typ):
+    target = build_target("llama")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 90, (n,), generator=g).tolist() for n in (3, 7, 5)]
+    free = _greedy_refs(target, prompts, 30)
+    eos = free[1][9]  # a token row 1 emits at step 10: it must stop there, the others wherever it occurs
+    refs = _greedy_refs(target, prompts, 30, eos=eos)
+    assert len(refs[1]) <= 10 < 30
+    engine = SpeculativeEngine(target, build_drafter(target, typ, True), max_len=96)
+    assert engine.generate(prompts, max_new_tokens=30, eos_token_id=eos) == refs
+
+
+@pytest.mark.parametrize("typ", ["dflash", "markov"])
+@pytest.mark.parametrize("carryover", [False, True])
+def test_rounds_equal_generate_with_a_good_drafter(typ, carryover):
+    """With a drafter that is often right, every round but each row's last accepts exactly what generate()'s
+    rounds accept (the last may differ: generate() trims proposals to the length budget, the engine verifies a
+    fixed k and trims the emitted tokens)."""
+    target = build_target("llama", seed=5)
+    drafter = build_drafter(target, typ, carryover)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 90, (3 + n,), generator=g).tolist() for n in range(4)]
+    max_new = 40
+    refs = _greedy_refs(target, prompts, max_new)
+    overfit(drafter, target, [(len(p), p + r, max_new) for p, r in zip(prompts, refs)], steps=60)
+    online = []
+    for p in prompts:
+        target.generate(torch.tensor([p]), assistant_model=drafter, max_new_tokens=max_new, do_sample=False)
+        online.append([r["accepted"] for r in drafter.last_candidate_generator.rounds])
+    engine = SpeculativeEngine(target, drafter, max_len=128)
+    assert engine.generate(prompts, max_new_tokens=max_new) == refs
+    for r in range(len(prompts)):
+        assert engine.rounds[r][:-1] == online[r][: len(engine.rounds[r]) - 1], r
+    assert engine.tau > 2.0, engine.tau
+
+
+@pytest.mark.parametrize("typ", ["dflash", "markov"])
+def test_sampling_matches_target_distribution(typ):
+    """Chi-square two-sample tests at alpha = 0.001 (per position and adjacent pairs), as in test_sampling.py:
+    engine samples (one batch of N rows, so rows advance independently) against the target's own sampling."""
+    n = 2000
+    target = _target()
+    drafter = _drafter(target, typ)
+    torch.manual_seed(11)
+    plain = target.generate(PROMPT.repeat(n, 1), max_new_tokens=NEW, do_sample=True, top_k=0)[:, PROMPT.shape[1]:]
+    engine = SpeculativeEngine(target, drafter, max_len=32)
+    spec = engine.generate([PROMPT[0].tolist()] * n, max_new_tokens=NEW, do_sample=True, seed=12)
+    assert all(len(s) == NEW for s in spec)
+    rejected = sum(a < drafter.config.num_proposals for rows in engine.rounds for a in rows)
+    assert rejected > n // 4, "rejections must be frequent for the test to mean anything"
+    pvals = _pvalues([tuple(s) for s in spec], [tuple(s) for s in plain.tolist()])
+    assert min(pvals.values()) > ALPHA, pvals
+    assert max(max(s) for s in spec) < VOCAB16
