@@ -1,0 +1,165 @@
+"""Side-by-side decoding speed on the same prompts: tokens/s, τ and speedup against each AR baseline.
+
+    python examples/benchmark.py --drafters dflash=model_cards/A carry=model_cards/B \
+        --datasets mtbench humaneval --limit 20 --max_new_tokens 256 --batch_sizes 1 2 4 8 16 --out examples/results/RUN
+
+Methods (each skipped with a recorded reason when it cannot run here):
+  hf_eager            transformers generate(), dynamic cache, batch 1
+  hf_static_compile   generate() with cache_implementation="static" + torch.compile (CUDA only)
+  hf_prompt_lookup    generate(prompt_lookup_num_tokens=10)
+  hf_spec:<name>      generate(assistant_model=drafter)   (our HF path)
+  engine_ar           hf_carryover.engine without a drafter (static caches, eager)
+  engine:<name>       hf_carryover.engine with the drafter, at every --batch_sizes value (throughput)
+Not covered yet: transformers' own DFlash path (its drafter contract differs from ours) and vLLM (needs the
+bundle, DESIGN.md §12). Timing: warm-up excluded, CUDA-synchronised wall time. Every finished measurement is
+appended to `<out>/bench_raw.jsonl`; `<out>/bench.json` and `<out>/bench.md` summarise with environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from evaluate_tau import environment, load_prompts  # noqa: E402
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn):
+    _sync()
+    t0 = time.perf_counter()
+    out = fn()
+    _sync()
+    return out, time.perf_counter() - t0
+
+
+def load_target(name, dtype, device):
+    if name == "tiny":  # plumbing smoke test (tests/test_benchmark_script.py)
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                          num_attention_heads=4, num_key_value_heads=2, eos_token_id=95, bos_token_id=0,
+                          pad_token_id=0, initializer_range=0.3)
+        return LlamaForCausalLM(cfg).to(device, dtype).eval()
+    from hf_carryover.reference import reference_target
+
+    target, _ = reference_target(dtype=dtype)
+    return target.to(device).eval()
+
+
+def run_hf(target, prompts, max_new, **kw):
+    n_tok, secs, taus = 0, 0.0, []
+    drafter = kw.get("assistant_model")
+    for p in prompts:
+        x = torch.tensor([p], device=target.device)
+        y, dt = _timed(lambda: target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
+                                               do_sample=False, **kw))
+        n_tok += y.shape[1] - x.shape[1]
+        secs += dt
+        if drafter is not None:
+            taus += [r["accepted"] + 1 for r in drafter.last_candidate_generator.rounds]
+    return {"tokens": n_tok, "seconds": secs, "tok_per_s": n_tok / secs,
+            "tau": sum(taus) / len(taus) if taus else None}
+
+
+def run_engine(target, drafter, prompts, max_new, batch, eos):
+    from hf_carryover.engine.engine import SpeculativeEngine
+
+    k = drafter.config.block_size if drafter is not None else 1
+    engine = SpeculativeEngine(target, drafter, max_len=max(len(p) for p in prompts) + max_new + 2 * k)
+    n_tok, secs, acc = 0, 0.0, []
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i : i + batch]
+        out, dt = _timed(lambda: engine.generate(chunk, max_new_tokens=max_new, eos_token_id=eos))
+        n_tok += sum(len(o) for o in out)
+        secs += dt
+        acc += [a for rows in engine.rounds for a in rows]
+    return {"tokens": n_tok, "seconds": secs, "tok_per_s": n_tok / secs,
+            "tau": (sum(acc) + len(acc)) / len(acc) if drafter is not None and acc else None}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="reference")
+    p.add_argument("--drafters", nargs="*", default=[])
+    p.add_argument("--datasets", nargs="+", default=["mtbench", "humaneval"])
+    p.add_argument("--prompts_dir", default="assets/prompts")
+    p.add_argument("--limit", type=int, default=10)
+    p.add_argument("--max_new_tokens", type=int, default=256)
+    p.add_argument("--batch_sizes", nargs="+", type=int, default=[1])
+    p.add_argument("--methods", nargs="*", help="subset of method names (default: all)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    from transformers import AutoModel
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    target = load_target(args.target, dtype, device)
+    eos = target.generation_config.eos_token_id
+    drafters = {}
+    for spec in args.drafters:
+        name, path = spec.split("=", 1)
+        drafters[name] = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=dtype).to(device).eval()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    raw = open(out_dir / "bench_raw.jsonl", "a")
+    rows = []
+
+    methods = [("hf_eager", lambda pr: run_hf(target, pr, args.max_new_tokens)),
+               ("hf_prompt_lookup", lambda pr: run_hf(target, pr, args.max_new_tokens, prompt_lookup_num_tokens=10))]
+    if device == "cuda":
+        methods.append(("hf_static_compile", lambda pr: run_hf(target, pr, args.max_new_tokens,
+                                                               cache_implementation="static")))
+    methods += [(f"hf_spec:{n}", lambda pr, d=d: run_hf(target, pr, args.max_new_tokens, assistant_model=d))
+                for n, d in drafters.items()]
+    methods += [(f"engine_ar@{b}", lambda pr, b=b: run_engine(target, None, pr, args.max_new_tokens, b, eos))
+                for b in args.batch_sizes]
+    methods += [(f"engine:{n}@{b}", lambda pr, d=d, b=b: run_engine(target, d, pr, args.max_new_tokens, b, eos))
+                for n, d in drafters.items() for b in args.batch_sizes]
+    if args.methods:
+        methods = [m for m in methods if m[0].split("@")[0].split(":")[0] in args.methods or m[0] in args.methods]
+
+    for dataset in args.datasets:
+        prompts = [r["input_ids"] for r in load_prompts(args.prompts_dir, dataset, args.limit)]
+        for name, fn in methods:
+            fn(prompts[:1])  # warm-up, excluded
+            res = {"method": name, "dataset": dataset, "prompts": len(prompts), **fn(prompts)}
+            rows.append(res)
+            raw.write(json.dumps(res) + "\n")
+            raw.flush()
+            print(f"{dataset:10s} {name:28s} {res['tok_per_s']:8.1f} tok/s  τ {res['tau'] or '-'}", flush=True)
+
+    for r in rows:  # speedups against each AR baseline of the same dataset
+        for base in ("hf_eager", "engine_ar@1"):
+            ref = next((x for x in rows if x["method"] == base and x["dataset"] == r["dataset"]), None)
+            if ref:
+                r[f"speedup_vs_{base}"] = r["tok_per_s"] / ref["tok_per_s"]
+    summary = {"command": " ".join(["python"] + sys.argv), "environment": environment(),
+               "max_new_tokens": args.max_new_tokens, "results": rows,
+               "not_covered": {"transformers_dflash": "our drafter does not implement transformers' DFlash drafter "
+                                                      "contract (noise_embeds/context_hidden_states/DFlashCache)",
+                               "vllm": "needs the vLLM bundle (DESIGN.md §12); not wired in yet",
+                               "cuda_graphs": "the engine runs eagerly; graph capture is not implemented yet"}}
+    (out_dir / "bench.json").write_text(json.dumps(summary, indent=2))
+    lines = ["| dataset | method | tok/s | τ | × hf_eager | × engine_ar@1 |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        tau = f"{r['tau']:.2f}" if r["tau"] else "–"
+        lines.append(f"| {r['dataset']} | {r['method']} | {r['tok_per_s']:.1f} | {tau} | "
+                     f"{r.get('speedup_vs_hf_eager', 0):.2f} | {r.get('speedup_vs_engine_ar@1', 0):.2f} |")
+    (out_dir / "bench.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Smoke tests of the example scripts on a tiny in-process target (plumbing only; numbers are meaningless)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from conftest import build_drafter
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_benchmark_script_tiny(tmp_path):
+    sys.path.insert(0, str(ROOT / "examples"))
+    from benchmark import load_target
+
+    target = load_target("tiny", torch.float32, "cpu")
+    build_drafter(target, "markov", True).save_pretrained(tmp_path / "drafter")
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "mtbench.jsonl").write_text("".join(json.dumps({"id": i, "input_ids": [3 + i, 7, 11, 5]}) + "\n"
+                                                   for i in range(3)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "examples" / "benchmark.py"), "--target", "tiny", "--drafters",
+           f"m={tmp_path / 'drafter'}", "--datasets", "mtbench", "--prompts_dir", str(prompts), "--limit", "3",
+           "--max_new_tokens", "12", "--batch_sizes", "1", "3", "--out", str(tmp_path / "out")]
+    subprocess.run(cmd, check=True, env=env, capture_output=True, cwd=tmp_path)
+    summary = json.loads((tmp_path / "out" / "bench.json").read_text())
+    methods = {r["method"] for r in summary["results"]}
+    assert {"hf_eager", "hf_prompt_lookup", "hf_spec:m", "engine_ar@1", "engine_ar@3", "engine:m@1", "engine:m@3"} <= methods
+    assert all(r["tokens"] == 36 for r in summary["results"])  # 3 prompts x 12 tokens, eos never hit
+    assert "| mtbench | engine:m@3 |" in (tmp_path / "out" / "bench.md").read_text()
