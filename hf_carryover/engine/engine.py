@@ -103,7 +103,8 @@ class SpeculativeEngine:
             raise ValueError(f"max_len={self.max_len} is too small for prompts of {int(plen.max())} tokens + "
                              f"{max_new_tokens} new tokens + a block of {k}.")
         eos = torch.tensor([] if eos_token_id is None else
-                           ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)), device=dev)
+                           ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)),
+                           dtype=torch.long, device=dev)
         tc = t.config.get_text_config()
         hd = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
         kvh = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
@@ -122,9 +123,12 @@ class SpeculativeEngine:
         else:
             anchor = last.argmax(-1)
         anchor_pos = plen.clone()  # position of the first generated token
-        out = [[int(anchor[r])] for r in range(b)]
-        done = torch.isin(anchor, eos) | (max_new_tokens <= 1)
-        self.rounds = [[] for _ in range(b)]
+        cap = max_new_tokens + k + 1
+        out = torch.zeros(b, cap, dtype=torch.long, device=dev)  # generated tokens, device-side
+        out[:, 0] = anchor
+        n_out = torch.ones(b, dtype=torch.long, device=dev)
+        done = torch.isin(anchor, eos) | (n_out >= max_new_tokens)
+        accepted_log = []  # per round: accepted drafts per row, -1 where the row was already done
 
         if self.drafter is not None:
             d = self.drafter
@@ -138,7 +142,7 @@ class SpeculativeEngine:
             j = torch.arange(1, k + 1, device=dev)
             carry_pos = anchor_pos[:, None] + j  # nothing valid in the first round; any positions do
 
-        while not bool(done.all()):  # the one host sync per round
+        while not bool(done.all()):  # the one host sync per round (outputs stay on the device)
             if self.drafter is not None:
                 drafts, q = self._draft(dcache, anchor, anchor_pos, carry if dcfg.carryover else None,
                                         carry_pos, carry_valid if dcfg.carryover else carry_valid[:, :0],
@@ -157,22 +161,23 @@ class SpeculativeEngine:
                 carry_pos = bpos[:, 1:]
             emitted = torch.cat([drafts, torch.zeros_like(nxt)[:, None]], 1)
             emitted.scatter_(1, a[:, None], nxt[:, None])  # accepted drafts, then the correction/bonus
-            for r in torch.nonzero(~done).flatten().tolist():
-                n = int(a[r]) + 1
-                new = emitted[r, :n].tolist()
-                self.rounds[r].append(n - 1)
-                budget = max_new_tokens - len(out[r])
-                new = new[:budget]
-                for i, tok in enumerate(new):
-                    if eos.numel() and tok in eos.tolist():
-                        new = new[: i + 1]
-                        break
-                out[r] += new
-                if len(out[r]) >= max_new_tokens or (eos.numel() and out[r][-1] in eos.tolist()):
-                    done[r] = True
+            # keep the first a+1 tokens, within the length budget, up to and including the first EOS
+            idx = torch.arange(k + 1, device=dev)[None]
+            keep = (idx <= a[:, None]) & (idx < (max_new_tokens - n_out)[:, None]) & ~done[:, None]
+            is_eos = torch.isin(emitted, eos) & keep
+            first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1), torch.full_like(a, k + 1))
+            keep &= idx <= first_eos[:, None]
+            slots = (n_out[:, None] + idx).clamp(max=cap - 1)
+            out.scatter_(1, slots, torch.where(keep, emitted, out.gather(1, slots)))
+            n_out = n_out + keep.sum(1)
+            accepted_log.append(torch.where(done, torch.full_like(a, -1), a))
+            done = done | (n_out >= max_new_tokens) | is_eos.any(1)
             anchor = torch.where(done, anchor, nxt)
             anchor_pos = torch.where(done, anchor_pos, anchor_pos + a + 1)
-        return out
+        log = torch.stack(accepted_log, 1).tolist() if accepted_log else [[] for _ in range(b)]
+        self.rounds = [[x for x in row if x >= 0] for row in log]
+        n_out = n_out.tolist()
+        return [row[:n] for row, n in zip(out.tolist(), n_out)]
 
     @property
     def tau(self) -> float:
