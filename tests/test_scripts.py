@@ -32,3 +32,27 @@ def test_benchmark_script_tiny(tmp_path):
     assert {"hf_eager", "hf_prompt_lookup", "hf_spec:m", "engine_ar@1", "engine_ar@3", "engine:m@1", "engine:m@3"} <= methods
     assert all(r["tokens"] == 36 for r in summary["results"])  # 3 prompts x 12 tokens, eos never hit
     assert "| mtbench | engine:m@3 |" in (tmp_path / "out" / "bench.md").read_text()
+
+
+def test_accelerate_launch_tiny_cpu(tmp_path):
+    """`accelerate launch trainer/train.py` on CPU with a tiny target: the documented entry point runs end to end."""
+    from test_training import tiny_target
+
+    from hf_carryover.training.data import regenerate_responses
+
+    target = tiny_target()
+    target.save_pretrained(tmp_path / "target")
+    regenerate_responses(target, [(f"p{i}", [3 + i, 9, 4, 7]) for i in range(8)], tmp_path / "data",
+                         max_new_tokens=16, batch_size=8)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           str(ROOT / "trainer" / "train.py"), "--target", str(tmp_path / "target"), "--target_dtype", "float32",
+           "--data_dir", str(tmp_path / "data"), "--block_size", "4", "--num_hidden_layers", "1",
+           "--mask_token_id", "5", "--per_device_train_batch_size", "4", "--num_anchors", "8", "--max_steps", "2",
+           "--report_to", "none", "--use_cpu", "true", "--output_dir", str(tmp_path / "run")]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (tmp_path / "run" / "final" / "modeling_drafter.py").exists()
+    log = json.loads((tmp_path / "run" / "final" / "train_log.json").read_text())
+    assert log[-1]["step"] == 2
