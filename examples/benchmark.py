@@ -8,10 +8,11 @@ Methods (each skipped with a recorded reason when it cannot run here):
   hf_static_compile   generate() with cache_implementation="static" + torch.compile (CUDA only)
   hf_prompt_lookup    generate(prompt_lookup_num_tokens=10)
   hf_spec:<name>      generate(assistant_model=drafter)   (our HF path)
+  hf_own_dflash:<name> generate(assistant_model=drafter, speculation_type="dflash"): transformers' own DFlash
+                      loop driving our drafter (DFlash drafters with a target-row mask; no Carryover there)
   engine_ar           hf_carryover.engine without a drafter (static caches, eager)
   engine:<name>       hf_carryover.engine with the drafter, at every --batch_sizes value (throughput)
-Not covered yet: transformers' own DFlash path (its drafter contract differs from ours) and vLLM (needs the
-bundle, DESIGN.md §12). Timing: warm-up excluded, CUDA-synchronised wall time. Every finished measurement is
+Not covered yet: vLLM (needs the bundle, DESIGN.md §12). Timing: warm-up excluded, CUDA-synchronised wall time. Every finished measurement is
 appended to `<out>/bench_raw.jsonl`; `<out>/bench.json` and `<out>/bench.md` summarise with environment.
 """
 
@@ -123,6 +124,9 @@ def main():
                                                                cache_implementation="static")))
     methods += [(f"hf_spec:{n}", lambda pr, d=d: run_hf(target, pr, args.max_new_tokens, assistant_model=d))
                 for n, d in drafters.items()]
+    methods += [(f"hf_own_dflash:{n}", lambda pr, d=d: run_hf(target, pr, args.max_new_tokens, assistant_model=d,
+                                                            speculation_type="dflash"))
+                for n, d in drafters.items() if d.config.drafter_type == "dflash" and d.config.mask_token_id is not None]
     methods += [(f"engine_ar@{b}", lambda pr, b=b: run_engine(target, None, pr, args.max_new_tokens, b, eos))
                 for b in args.batch_sizes]
     methods += [(f"engine:{n}@{b}", lambda pr, d=d, b=b: run_engine(target, d, pr, args.max_new_tokens, b, eos))
@@ -147,9 +151,7 @@ def main():
                 r[f"speedup_vs_{base}"] = r["tok_per_s"] / ref["tok_per_s"]
     summary = {"command": " ".join(["python"] + sys.argv), "environment": environment(),
                "max_new_tokens": args.max_new_tokens, "results": rows,
-               "not_covered": {"transformers_dflash": "our drafter does not implement transformers' DFlash drafter "
-                                                      "contract (noise_embeds/context_hidden_states/DFlashCache)",
-                               "vllm": "needs the vLLM bundle (DESIGN.md §12); not wired in yet",
+               "not_covered": {"vllm": "needs the vLLM bundle (DESIGN.md §12); not wired in yet",
                                "cuda_graphs": "the engine runs eagerly; graph capture is not implemented yet"}}
     (out_dir / "bench.json").write_text(json.dumps(summary, indent=2))
     lines = ["| dataset | method | tok/s | τ | × hf_eager | × engine_ar@1 |", "|---|---|---|---|---|---|"]

@@ -171,7 +171,8 @@ def _dispatch(original):
     def _get_candidate_generator(self, *args, **kwargs):
         assistant = kwargs.get("assistant_model")
         make = getattr(assistant, "make_candidate_generator", None)
-        if make is not None and getattr(assistant, "_is_carryover_drafter", False):
+        own_dflash = getattr(kwargs.get("generation_config"), "speculation_type", None) == "dflash"
+        if make is not None and getattr(assistant, "_is_carryover_drafter", False) and not own_dflash:
             return make(
                 target=self,
                 generation_config=kwargs["generation_config"],

@@ -106,13 +106,16 @@ class DrafterAttention(nn.Module):
         k, _ = apply_rotary_pos_emb(k, k, cos, sin)
         return k, v
 
-    def forward(self, hidden, cos, sin, kv_pieces, attn_mask):
-        """hidden `[b, q, d]`; kv_pieces: list of (k, v) placed before the block's own; attn_mask `[b|1, 1, q, keys]` bool."""
+    def forward(self, hidden, cos, sin, kv_pieces, attn_mask, kv_store=None):
+        """hidden `[b, q, d]`; kv_pieces: list of (k, v) placed before the block's own; attn_mask `[b|1, 1, q, keys]`
+        bool. `kv_store(k, v) -> (k_all, v_all)` lets an external cache keep the new keys (transformers' DFlash)."""
         q = self.q_norm(self._heads(self.q_proj(hidden), self.num_heads))
         q, _ = apply_rotary_pos_emb(q, q, cos, sin)
         k_blk, v_blk = self.project_kv(hidden, cos, sin)
         k = torch.cat([kv[0] for kv in kv_pieces] + [k_blk], dim=2)
         v = torch.cat([kv[1] for kv in kv_pieces] + [v_blk], dim=2)
+        if kv_store is not None:
+            k, v = kv_store(k, v)
         if self.num_kv_heads != self.num_heads:  # GQA: [b, kvh, n, hd] -> [b, h, n, hd]
             rep = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -134,8 +137,8 @@ class DrafterLayer(nn.Module):
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = Qwen3MLP(config)
 
-    def forward(self, hidden, cos, sin, kv_pieces, attn_mask):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_pieces, attn_mask)
+    def forward(self, hidden, cos, sin, kv_pieces, attn_mask, kv_store=None):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_pieces, attn_mask, kv_store)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -305,14 +308,15 @@ class Drafter(PreTrainedModel):
     # ------------------------------------------------------------------ forward
     def forward(
         self,
-        block_embeds: torch.Tensor,
-        block_positions: torch.Tensor,
+        block_embeds: torch.Tensor | None = None,
+        block_positions: torch.Tensor | None = None,
         context_features: torch.Tensor | None = None,
         context_positions: torch.Tensor | None = None,
         cache: DrafterContextCache | None = None,
         carryover_features: torch.Tensor | None = None,
         carryover_positions: torch.Tensor | None = None,
         attn_mask=None,
+        **hf_dflash_inputs,
     ) -> torch.Tensor:
         """Drafter hidden states (after the final norm) for the block rows, `[b, q, d]`.
 
@@ -324,6 +328,8 @@ class Drafter(PreTrainedModel):
           * the block itself.
         attn_mask: boolean `[b|1, 1, q, keys]` (or a FlexAttention BlockMask); None = all visible.
         """
+        if "noise_embeds" in hf_dflash_inputs:
+            return self._transformers_dflash_forward(cache=cache, **hf_dflash_inputs)
         hidden = block_embeds
         cos, sin = self.rotary_emb(hidden, block_positions)
         context = ctx_cs = carry = co_cs = None
@@ -345,6 +351,31 @@ class Drafter(PreTrainedModel):
                 pieces.append(layer.self_attn.project_kv(carry, *co_cs))
             hidden = layer(hidden, cos, sin, pieces, attn_mask)
         return self.norm(hidden)
+
+    def _transformers_dflash_forward(self, noise_embeds, context_hidden_states, position_ids, cache=None,
+                                     attention_mask=None, past_key_values=None, **unused):
+        """transformers' own DFlash loop (`generate(..., speculation_type="dflash")`, >= 5.15) calls the drafter
+        with the new accepted rows' raw features, the embedded block and a `DFlashCache` that must receive both
+        the context and the block K/V (it crops the block next round). Same computation as our path, minus
+        Carryover; transformers reads proposals from block rows 1.., so only DFlash drafters qualify."""
+        from transformers.modeling_outputs import BaseModelOutput
+
+        if self.config.drafter_type != "dflash":
+            raise ValueError("transformers' DFlash path reads proposals from block rows 1..B-1: it can drive a "
+                             "'dflash' drafter only, not a 'markov' one.")
+        if self.config.mask_token_id is None:
+            raise ValueError("transformers' DFlash path embeds the mask with the target's row `mask_token_id`; this "
+                             "drafter uses a learned mask embedding instead.")
+        cache = cache if cache is not None else past_key_values  # the keyword was renamed in transformers 5.24
+        n_ctx = context_hidden_states.shape[1]
+        hidden = noise_embeds.to(self.fc.weight.dtype)
+        context = self.fuse(context_hidden_states)
+        ctx_cs = self.rotary_emb(hidden, position_ids[:, :n_ctx])
+        cos, sin = self.rotary_emb(hidden, position_ids[:, n_ctx:])
+        for i, layer in enumerate(self.layers):
+            pieces = [layer.self_attn.project_kv(context, *ctx_cs)]
+            hidden = layer(hidden, cos, sin, pieces, None, kv_store=lambda k, v, i=i: cache.update(k, v, i))
+        return BaseModelOutput(last_hidden_state=self.norm(hidden))
 
     @torch.no_grad()
     def append_context(self, cache: DrafterContextCache, context: torch.Tensor, positions: torch.Tensor,

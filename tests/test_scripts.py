@@ -17,7 +17,7 @@ def test_benchmark_script_tiny(tmp_path):
     from benchmark import load_target
 
     target = load_target("tiny", torch.float32, "cpu")
-    build_drafter(target, "markov", True).save_pretrained(tmp_path / "drafter")
+    build_drafter(target, "dflash", True).save_pretrained(tmp_path / "drafter")
     prompts = tmp_path / "prompts"
     prompts.mkdir()
     (prompts / "mtbench.jsonl").write_text("".join(json.dumps({"id": i, "input_ids": [3 + i, 7, 11, 5]}) + "\n"
@@ -29,7 +29,8 @@ def test_benchmark_script_tiny(tmp_path):
     subprocess.run(cmd, check=True, env=env, capture_output=True, cwd=tmp_path)
     summary = json.loads((tmp_path / "out" / "bench.json").read_text())
     methods = {r["method"] for r in summary["results"]}
-    assert {"hf_eager", "hf_prompt_lookup", "hf_spec:m", "engine_ar@1", "engine_ar@3", "engine:m@1", "engine:m@3"} <= methods
+    assert {"hf_eager", "hf_prompt_lookup", "hf_spec:m", "engine_ar@1", "engine_ar@3", "engine:m@1", "engine:m@3",
+            "hf_own_dflash:m"} <= methods
     assert all(r["tokens"] == 36 for r in summary["results"])  # 3 prompts x 12 tokens, eos never hit
     assert "| mtbench | engine:m@3 |" in (tmp_path / "out" / "bench.md").read_text()
 
