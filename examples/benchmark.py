@@ -52,6 +52,15 @@ def load_target(name, dtype, device):
                           num_attention_heads=4, num_key_value_heads=2, eos_token_id=95, bos_token_id=0,
                           pad_token_id=0, initializer_range=0.3)
         return LlamaForCausalLM(cfg).to(device, dtype).eval()
+    if name == "qwen3-4b-random":  # a Qwen3-4B-shaped target with random weights: timings for a projection only
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        torch.manual_seed(0)
+        cfg = Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                          max_position_embeddings=40960, eos_token_id=151645, pad_token_id=151643)
+        with torch.device(device):
+            return Qwen3ForCausalLM(cfg).to(dtype).eval()
     from hf_carryover.reference import reference_target
 
     target, _ = reference_target(dtype=dtype)
@@ -73,11 +82,12 @@ def run_hf(target, prompts, max_new, **kw):
             "tau": sum(taus) / len(taus) if taus else None}
 
 
-def run_engine(target, drafter, prompts, max_new, batch, eos):
+def run_engine(target, drafter, prompts, max_new, batch, eos, profile=False):
     from hf_carryover.engine.engine import SpeculativeEngine
 
     k = drafter.config.block_size if drafter is not None else 1
-    engine = SpeculativeEngine(target, drafter, max_len=max(len(p) for p in prompts) + max_new + 2 * k)
+    engine = SpeculativeEngine(target, drafter, max_len=max(len(p) for p in prompts) + max_new + 2 * k,
+                               profile=profile)
     n_tok, secs, acc = 0, 0.0, []
     for i in range(0, len(prompts), batch):
         chunk = prompts[i : i + batch]
@@ -85,8 +95,12 @@ def run_engine(target, drafter, prompts, max_new, batch, eos):
         n_tok += sum(len(o) for o in out)
         secs += dt
         acc += [a for rows in engine.rounds for a in rows]
-    return {"tokens": n_tok, "seconds": secs, "tok_per_s": n_tok / secs,
-            "tau": (sum(acc) + len(acc)) / len(acc) if drafter is not None and acc else None}
+    res = {"tokens": n_tok, "seconds": secs, "tok_per_s": n_tok / secs,
+           "tau": (sum(acc) + len(acc)) / len(acc) if drafter is not None and acc else None}
+    if profile and engine.timing["rounds"]:
+        n = engine.timing["rounds"]
+        res["per_round_s"] = {p: engine.timing[p] / n for p in ("draft", "verify", "other")}
+    return res
 
 
 def main():
@@ -99,6 +113,10 @@ def main():
     p.add_argument("--max_new_tokens", type=int, default=256)
     p.add_argument("--batch_sizes", nargs="+", type=int, default=[1])
     p.add_argument("--methods", nargs="*", help="subset of method names (default: all)")
+    p.add_argument("--profile", action="store_true", help="engine: time draft/verify/other per round (adds syncs) "
+                   "and check the latency model τ·T_ar/(T_draft+T_verify) against the measured speedup")
+    p.add_argument("--random_drafter", action="store_true", help="add a random DFlash drafter built from the target "
+                   "(timing projections, e.g. with --target qwen3-4b-random)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -109,6 +127,11 @@ def main():
     target = load_target(args.target, dtype, device)
     eos = target.generation_config.eos_token_id
     drafters = {}
+    if args.random_drafter:
+        from hf_carryover import Drafter
+
+        drafters["random-dflash"] = Drafter.from_target(target, drafter_type="dflash", carryover=True,
+                                                        mask_token_id=0).to(device, dtype).eval()
     for spec in args.drafters:
         name, path = spec.split("=", 1)
         drafters[name] = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=dtype).to(device).eval()
@@ -127,9 +150,11 @@ def main():
     methods += [(f"hf_own_dflash:{n}", lambda pr, d=d: run_hf(target, pr, args.max_new_tokens, assistant_model=d,
                                                             speculation_type="dflash"))
                 for n, d in drafters.items() if d.config.drafter_type == "dflash" and d.config.mask_token_id is not None]
-    methods += [(f"engine_ar@{b}", lambda pr, b=b: run_engine(target, None, pr, args.max_new_tokens, b, eos))
+    methods += [(f"engine_ar@{b}", lambda pr, b=b: run_engine(target, None, pr, args.max_new_tokens, b, eos,
+                                                                 args.profile))
                 for b in args.batch_sizes]
-    methods += [(f"engine:{n}@{b}", lambda pr, d=d, b=b: run_engine(target, d, pr, args.max_new_tokens, b, eos))
+    methods += [(f"engine:{n}@{b}", lambda pr, d=d, b=b: run_engine(target, d, pr, args.max_new_tokens, b, eos,
+                                                                    args.profile))
                 for n, d in drafters.items() for b in args.batch_sizes]
     if args.methods:
         methods = [m for m in methods if m[0].split("@")[0].split(":")[0] in args.methods or m[0] in args.methods]
@@ -144,6 +169,14 @@ def main():
             raw.flush()
             print(f"{dataset:10s} {name:28s} {res['tok_per_s']:8.1f} tok/s  τ {res['tau'] or '-'}", flush=True)
 
+    from hf_carryover.engine.engine import predicted_speedup
+
+    for r in rows:  # latency model: predicted from per-round times vs measured, against engine AR at batch 1
+        ar = next((x for x in rows if x["method"] == "engine_ar@1" and x["dataset"] == r["dataset"]), None)
+        if r.get("tau") and "per_round_s" in r and ar and "per_round_s" in ar and r["method"].endswith("@1"):
+            t = r["per_round_s"]
+            t_ar = ar["per_round_s"]["verify"] + ar["per_round_s"]["other"]
+            r["predicted_speedup_vs_engine_ar"] = predicted_speedup(r["tau"], t["draft"], t["verify"] + t["other"], t_ar)
     for r in rows:  # speedups against each AR baseline of the same dataset
         for base in ("hf_eager", "engine_ar@1"):
             ref = next((x for x in rows if x["method"] == base and x["dataset"] == r["dataset"]), None)

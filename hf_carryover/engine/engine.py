@@ -15,6 +15,7 @@ is plain autoregressive decoding (k = 0). This is the eager reference; CUDA-grap
 from __future__ import annotations
 
 import inspect
+import time
 
 import torch
 
@@ -22,7 +23,11 @@ from .static_cache import DrafterStaticCache, TargetStaticCache
 
 
 class SpeculativeEngine:
-    def __init__(self, target, drafter=None, max_len: int = 2048):
+    def __init__(self, target, drafter=None, max_len: int = 2048, profile: bool = False):
+        """profile=True synchronises around the draft and verify phases and sums their wall time in
+        `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs."""
+        self.profile = profile
+        self.timing = {"draft": 0.0, "verify": 0.0, "other": 0.0, "rounds": 0}
         self.target = target.eval()
         self.drafter = drafter.eval() if drafter is not None else None
         if drafter is not None:
@@ -142,7 +147,9 @@ class SpeculativeEngine:
             j = torch.arange(1, k + 1, device=dev)
             carry_pos = anchor_pos[:, None] + j  # nothing valid in the first round; any positions do
 
+        clock = _Clock(self.profile, dev, self.timing)
         while not bool(done.all()):  # the one host sync per round (outputs stay on the device)
+            clock.start()
             if self.drafter is not None:
                 drafts, q = self._draft(dcache, anchor, anchor_pos, carry if dcfg.carryover else None,
                                         carry_pos, carry_valid if dcfg.carryover else carry_valid[:, :0],
@@ -150,9 +157,11 @@ class SpeculativeEngine:
             else:
                 drafts = torch.zeros(b, 0, dtype=torch.long, device=dev)
                 q = None
+            clock.lap("draft")
             block = torch.cat([anchor[:, None], drafts], 1)  # [b, k+1]
             bpos = anchor_pos[:, None] + torch.arange(k + 1, device=dev)
             logits, feats = self._target_forward(cache, block, bpos)
+            clock.lap("verify")
             a, nxt = self._accept(drafts, q, logits, do_sample, temperature, gen)
             if self.drafter is not None:
                 dcache.write(d, d.fuse(feats), bpos)
@@ -174,6 +183,7 @@ class SpeculativeEngine:
             done = done | (n_out >= max_new_tokens) | is_eos.any(1)
             anchor = torch.where(done, anchor, nxt)
             anchor_pos = torch.where(done, anchor_pos, anchor_pos + a + 1)
+            clock.lap("other")
         log = torch.stack(accepted_log, 1).tolist() if accepted_log else [[] for _ in range(b)]
         self.rounds = [[x for x in row if x >= 0] for row in log]
         n_out = n_out.tolist()
@@ -185,4 +195,34 @@ class SpeculativeEngine:
         return (sum(acc) + len(acc)) / max(len(acc), 1)
 
 
-__all__ = ["SpeculativeEngine"]
+class _Clock:
+    """Phase timer for `profile=True` (synchronising, so only for measurement runs); a no-op otherwise."""
+
+    def __init__(self, enabled, device, totals):
+        self.enabled, self.device, self.totals = enabled, device, totals
+        self.t = 0.0
+
+    def _now(self):
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def start(self):
+        if self.enabled:
+            self.t = self._now()
+            self.totals["rounds"] += 1
+
+    def lap(self, phase):
+        if self.enabled:
+            now = self._now()
+            self.totals[phase] += now - self.t
+            self.t = now
+
+
+def predicted_speedup(tau: float, t_draft: float, t_verify: float, t_ar_step: float) -> float:
+    """Latency model: tokens per second of speculative decoding over plain decoding,
+    (τ / (T_draft + T_verify)) / (1 / T_ar_step); with T_ar_step ≈ T_verify it is τ·T_verify/(T_draft+T_verify)."""
+    return tau * t_ar_step / (t_draft + t_verify)
+
+
+__all__ = ["SpeculativeEngine", "predicted_speedup"]
