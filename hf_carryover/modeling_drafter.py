@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.utils import logging
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
     Qwen3RMSNorm,
@@ -38,6 +39,7 @@ from .configuration_drafter import DrafterConfig, default_target_layer_ids, targ
 from .generation_carryover import CarryoverCandidateGenerator, install_generate_hook
 
 install_generate_hook()
+logger = logging.get_logger(__name__)
 
 
 class DrafterContextCache:
@@ -227,6 +229,8 @@ class Drafter(PreTrainedModel):
         )
         kwargs.update(overrides)
         if kwargs.get("mask_token_id") is None and not kwargs.get("learned_mask_embedding"):
+            logger.warning("No mask_token_id given: using a learned mask embedding (DFlash serving formats, and "
+                           "transformers' own DFlash loop, need a target row instead).")
             kwargs["learned_mask_embedding"] = True
         bad = [i for i in kwargs["target_layer_ids"] if not 0 <= i < fp["num_hidden_layers"] - 1]
         if bad:

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The H200 runs of the reference drafters, one phase per device call (see DESIGN.md and the device notes):
 #   stash    carries GGUF part 1 to ~/assets, checks the GPU stack on a random SmolLM2-shaped target
-#   prepare  joins the GGUF (md5-checked), converts it, regenerates responses, trains stage 1 (dflash, markov)
+#   prepare  joins the GGUF (md5-checked), converts it, regenerates responses (within 30 s of stash)
+#   stage1   trains stage 1 of each drafter type in $TYPES (default "dflash markov"), concurrently
 #   stage2   continues each stage-1 drafter twice with equal steps: baseline (stage-1 objective) and Carryover
 #   eval     tau of the four drafters: T=0 by exact offline replay, T=1 through target.generate
 #   pack     bf16 copies of the four drafters, 15 MB shards
 #   fetch N.. tars the named packed drafters into $OUT in 15 MB parts (64 MB come back per call)
 # Every figure goes to $OUT as soon as it exists. Paths on the machine: ~/assets (kept while it stays warm).
+# What the calls carry is made here first by trainer/h200_local_assets.sh.
 set -euo pipefail
 phase=$1
 A=~/assets
@@ -15,8 +17,10 @@ mkdir -p "$A" "$OUT"
 export HF_CARRYOVER_CACHE=$A/cache HF_CARRYOVER_OFFLINE=1 HF_CARRYOVER_SMOLLM2_GGUF=$A/smollm2.gguf
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export HF_CARRYOVER_COMMIT=$(cat .device/commit 2>/dev/null || echo unknown)
-S1_STEPS=${S1_STEPS:-1500}
+S1_STEPS=${S1_STEPS:-2000}   # 2 concurrent runs did ~4.5 steps/s each on the H200 (batch 8)
 S2_STEPS=${S2_STEPS:-600}
+RUNS=""; for t in ${TYPES:-dflash markov}; do RUNS="$RUNS $t-baseline $t-carryover"; done
+export RUNS
 
 L=$A/logs/$phase
 mkdir -p "$L"
@@ -47,17 +51,19 @@ prepare)
   wait
   log "responses: $(cat $A/data/train/*/shard-*.jsonl | wc -l) train, $(cat $A/data/eval/shard-*.jsonl | wc -l) eval"
   tar czf "$OUT/data.tgz" -C $A data
-  for typ in dflash markov; do
+  ;;
+stage1)
+  for typ in ${TYPES:-dflash markov}; do
     python3 trainer/train.py --config trainer/configs/smollm2_stage1.json --drafter_type $typ \
       --data_dir $A/data/train --eval_data_dir $A/data/eval --output_dir $A/runs/$typ-stage1 \
-      --max_steps $S1_STEPS --max_minutes ${S1_MINUTES:-5.5} > "$L/train_$typ-stage1.log" 2>&1 &
+      --max_steps $S1_STEPS --max_minutes ${S1_MINUTES:-8} > "$L/train_$typ-stage1.log" 2>&1 &
   done
   wait
-  for typ in dflash markov; do cp $A/runs/$typ-stage1/final/eval_metrics.json "$L/eval_$typ-stage1.json" || true; done
+  for typ in ${TYPES:-dflash markov}; do cp $A/runs/$typ-stage1/final/eval_metrics.json "$L/eval_$typ-stage1.json" || true; done
   log "stage 1 done"
   ;;
 stage2)
-  for typ in dflash markov; do
+  for typ in ${TYPES:-dflash markov}; do
     python3 trainer/train.py --config trainer/configs/smollm2_stage2.json --init_from $A/runs/$typ-stage1/final \
       --data_dir $A/data/train --eval_data_dir $A/data/eval --output_dir $A/runs/$typ-carryover \
       --max_steps $S2_STEPS --max_minutes ${S2_MINUTES:-6} > "$L/train_$typ-carryover.log" 2>&1 &
@@ -67,7 +73,7 @@ stage2)
       --max_steps $S2_STEPS --max_minutes ${S2_MINUTES:-6} > "$L/train_$typ-baseline.log" 2>&1 &
   done
   wait
-  for r in dflash-baseline dflash-carryover markov-baseline markov-carryover; do
+  for r in $RUNS; do
     cp $A/runs/$r/final/eval_metrics.json "$L/eval_$r.json" || true
     cp $A/runs/$r/final/train_log.json "$L/trainlog_$r.json" || true
   done
@@ -75,7 +81,7 @@ stage2)
   ;;
 eval)
   D=""
-  for r in dflash-baseline dflash-carryover markov-baseline markov-carryover; do D="$D $r=$A/runs/$r/final"; done
+  for r in $RUNS; do D="$D $r=$A/runs/$r/final"; done
   # T=0: exact offline replay over one batched greedy rollout per prompt (fast, all prompts)
   python3 examples/evaluate_tau.py --offline --drafters $D --datasets mtbench humaneval sharegpt \
     --out $A/tau0 > "$L/tau0.log" 2>&1 || true
@@ -98,7 +104,7 @@ pack)
 import os, torch
 from hf_carryover import Drafter
 A = os.path.expanduser("~/assets")
-for r in ["dflash-baseline", "dflash-carryover", "markov-baseline", "markov-carryover"]:
+for r in os.environ["RUNS"].split():
     d = Drafter.from_pretrained(f"{A}/runs/{r}/final", dtype=torch.bfloat16)
     d.save_pretrained(f"{A}/pack/{r}", max_shard_size="15MB")
 EOF
