@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModel
 
 from .configuration_drafter import DrafterConfig, default_target_layer_ids, target_fingerprint
 from .generation_carryover import CarryoverCandidateGenerator, enable, install_generate_hook
+from .engine.engine import SpeculativeEngine
 from .modeling_drafter import Drafter, DrafterContextCache
 
 __version__ = "0.1.0"
@@ -36,6 +37,7 @@ __all__ = [
     "enable",
     "install_generate_hook",
     "reference_target",
+    "SpeculativeEngine",
     "default_target_layer_ids",
     "target_fingerprint",
 ]

@@ -54,7 +54,8 @@ prepare)
   ;;
 stage1)
   for typ in ${TYPES:-dflash markov}; do
-    python3 trainer/train.py --config trainer/configs/smollm2_stage1.json --drafter_type $typ \
+    L1=""; [ "$typ" = markov ] && L1="--l1_weight 0.9"  # DSpark: 0.1 CE + 0.9 ||p_draft - p_target||_1
+    python3 trainer/train.py --config trainer/configs/smollm2_stage1.json --drafter_type $typ $L1 \
       --data_dir $A/data/train --eval_data_dir $A/data/eval --output_dir $A/runs/$typ-stage1 \
       --max_steps $S1_STEPS --max_minutes ${S1_MINUTES:-8} > "$L/train_$typ-stage1.log" 2>&1 &
   done
