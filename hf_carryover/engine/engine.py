@@ -10,6 +10,7 @@ Every round, for all b rows at once:
      prefix stay invisible and are overwritten later); rows a+1..k become the next round's carryover.
 No tensor changes shape between rounds; rollback is moving a row's position. Without a drafter the same loop
 is plain autoregressive decoding (k = 0). This is the eager reference; CUDA-graph capture builds on it.
+Sampling supports temperature only (no top-k/top-p/penalties yet); greedy needs no processors.
 """
 
 from __future__ import annotations
