@@ -60,16 +60,21 @@ class SpeculativeEngine:
         logits = d.lm_logits(hidden[:, d.proposal_rows()]).float()  # [b, P, V]
         if do_sample:
             logits = logits / temperature
+        if cfg.drafter_type != "markov" and not do_sample:
+            return logits.argmax(-1), None  # greedy DFlash: rows are independent, no distribution needed
         tokens, prev, dists = [], anchor_tok, []
         for j in range(logits.shape[1]):  # left to right: the Markov head conditions on the previous proposal
             row = logits[:, j]
             if cfg.drafter_type == "markov":
                 row = row + d.markov_bias(prev).float() / (temperature if do_sample else 1.0)
-            probs = row.softmax(-1)
-            prev = torch.multinomial(probs, 1, generator=gen)[:, 0] if do_sample else row.argmax(-1)
+            if do_sample:
+                probs = row.softmax(-1)
+                prev = torch.multinomial(probs, 1, generator=gen)[:, 0]
+                dists.append(probs)
+            else:
+                prev = row.argmax(-1)
             tokens.append(prev)
-            dists.append(probs)
-        return torch.stack(tokens, 1), torch.stack(dists, 1)  # [b, k], [b, k, V]
+        return torch.stack(tokens, 1), (torch.stack(dists, 1) if do_sample else None)  # [b, k], [b, k, V]
 
     # ------------------------------------------------------------------ acceptance
     @staticmethod
