@@ -137,23 +137,19 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         logits are the processed (and, for Markov, corrected) ones: exactly what the proposals were sampled
         from, as lossless speculative sampling requires.
         """
-        markov = self.config.drafter_type == "markov"
-        if not markov and self.logits_processor is None:
+        if self.config.drafter_type != "markov" and self.logits_processor is None:  # rows are independent
             tokens = (torch.multinomial(logits[0].softmax(-1), 1).T if self.do_sample else logits.argmax(-1))
             return tokens, logits
-        seq = input_ids.to(logits.device)
-        out = logits.clone()
-        prev = seq[:, -1]
-        for i in range(logits.shape[1]):
-            row = out[:, i]
-            if markov:
-                row = row + self.drafter.markov_bias(prev.to(self.drafter.fc.weight.device)).float().to(row.device)
+        seq = [input_ids.to(logits.device)]  # grows as proposals are chosen: processors may read it
+
+        def pick(row):
             if self.logits_processor is not None:
-                row = self.logits_processor(seq, row)
-            out[:, i] = row
-            prev = torch.multinomial(row.softmax(-1), 1)[:, 0] if self.do_sample else row.argmax(-1)
-            seq = torch.cat([seq, prev[:, None]], dim=-1)
-        return seq[:, input_ids.shape[1]:], out
+                row = self.logits_processor(seq[0], row)
+            token = torch.multinomial(row.softmax(-1), 1)[:, 0] if self.do_sample else row.argmax(-1)
+            seq[0] = torch.cat([seq[0], token[:, None]], dim=-1)
+            return row, token
+
+        return self.drafter.propose(logits, input_ids[:, -1].to(logits.device), pick)
 
     def _crop_at_eos(self, tokens, logits):
         """Drop proposals after the first EOS (transformers < 5.23 would otherwise accept past it)."""

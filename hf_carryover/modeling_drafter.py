@@ -305,6 +305,23 @@ class Drafter(PreTrainedModel):
         """Rank-r bigram correction `W2(W1[x_prev])` for each previous token: `[...] -> [..., V]`."""
         return self.markov_out(self.markov_in(prev_ids))
 
+    def propose(self, logits: torch.Tensor, prev: torch.Tensor, pick):
+        """Choose proposals left to right from per-row logits `[..., P, V]` (float), `prev` = anchor tokens `[...]`.
+
+        Markov rows first get `W2(W1[previous token])`, which is why the choice is sequential. `pick(row)` returns
+        `(row_used, token)`: greedy, sampling, logits processors — each caller's rule. Returns the tokens
+        `[..., P]` and the rows they were chosen from `[..., P, V]` (the draft distribution verification needs).
+        """
+        rows, tokens = [], []
+        for j in range(logits.shape[-2]):
+            row = logits[..., j, :]
+            if self.config.drafter_type == "markov":
+                row = row + self.markov_bias(prev.to(self.fc.weight.device)).float().to(row.device)
+            row, prev = pick(row)
+            rows.append(row)
+            tokens.append(prev)
+        return torch.stack(tokens, -1), torch.stack(rows, -2)
+
     def proposal_rows(self) -> slice:
         """Block rows whose outputs are proposals: 1..B-1 for DFlash, 0..B-1 for Markov."""
         return slice(1, None) if self.config.drafter_type == "dflash" else slice(0, None)

@@ -58,23 +58,17 @@ class SpeculativeEngine:
         hidden = d(block, positions, cache=dcache, carryover_features=carry, carryover_positions=carry_pos,
                    attn_mask=mask[:, None, None, :])
         logits = d.lm_logits(hidden[:, d.proposal_rows()]).float()  # [b, P, V]
-        if do_sample:
-            logits = logits / temperature
         if cfg.drafter_type != "markov" and not do_sample:
             return logits.argmax(-1), None  # greedy DFlash: rows are independent, no distribution needed
-        tokens, prev, dists = [], anchor_tok, []
-        for j in range(logits.shape[1]):  # left to right: the Markov head conditions on the previous proposal
-            row = logits[:, j]
-            if cfg.drafter_type == "markov":
-                row = row + d.markov_bias(prev).float() / (temperature if do_sample else 1.0)
-            if do_sample:
-                probs = row.softmax(-1)
-                prev = torch.multinomial(probs, 1, generator=gen)[:, 0]
-                dists.append(probs)
-            else:
-                prev = row.argmax(-1)
-            tokens.append(prev)
-        return torch.stack(tokens, 1), (torch.stack(dists, 1) if do_sample else None)  # [b, k], [b, k, V]
+
+        def pick(row):
+            if not do_sample:
+                return row, row.argmax(-1)
+            probs = (row / temperature).softmax(-1)
+            return probs, torch.multinomial(probs, 1, generator=gen)[:, 0]
+
+        tokens, dists = d.propose(logits, anchor_tok, pick)  # [b, k], [b, k, V]
+        return tokens, (dists if do_sample else None)
 
     # ------------------------------------------------------------------ acceptance
     @staticmethod

@@ -127,11 +127,7 @@ def greedy_proposals(drafter, hidden, anchor_tokens):
     base = drafter.lm_logits(hidden[:, :, drafter.proposal_rows()]).float()
     if drafter.config.drafter_type != "markov":
         return base.argmax(-1)
-    prev, out = anchor_tokens, []
-    for j in range(base.shape[2]):
-        prev = (base[:, :, j] + drafter.markov_bias(prev).float()).argmax(-1)
-        out.append(prev)
-    return torch.stack(out, dim=2)
+    return drafter.propose(base, anchor_tokens, lambda row: (row, row.argmax(-1)))[0]
 
 
 @torch.no_grad()
