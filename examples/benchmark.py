@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from evaluate_tau import environment, load_prompts  # noqa: E402
+import evaluate_tau  # noqa: E402
+from evaluate_tau import environment, load_drafters, load_prompts  # noqa: E402
 
 
 def _sync():
@@ -61,10 +62,7 @@ def load_target(name, dtype, device):
                           max_position_embeddings=40960, eos_token_id=151645, pad_token_id=151643)
         with torch.device(device):
             return Qwen3ForCausalLM(cfg).to(dtype).eval()
-    from hf_carryover.reference import reference_target
-
-    target, _ = reference_target(dtype=dtype)
-    return target.to(device).eval()
+    return evaluate_tau.load_target(name, dtype, device)  # "reference" or a model folder
 
 
 def run_hf(target, prompts, max_new, **kw):
@@ -120,8 +118,6 @@ def main():
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
-    from transformers import AutoModel
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     target = load_target(args.target, dtype, device)
@@ -132,9 +128,7 @@ def main():
 
         drafters["random-dflash"] = Drafter.from_target(target, drafter_type="dflash", carryover=True,
                                                         mask_token_id=0).to(device, dtype).eval()
-    for spec in args.drafters:
-        name, path = spec.split("=", 1)
-        drafters[name] = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=dtype).to(device).eval()
+    drafters.update(load_drafters(args.drafters, dtype, device))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     raw = open(out_dir / "bench_raw.jsonl", "a")

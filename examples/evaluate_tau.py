@@ -34,26 +34,43 @@ def load_prompts(prompts_dir, dataset, limit):
     return rows[:limit] if limit else rows
 
 
-def worker(rank, args, jobs):
-    import torch
-    from transformers import AutoModel
+def load_target(name, dtype, device):
+    """'reference' (SmolLM2-135M-Instruct, converted once and cached) or a model folder, in eval mode."""
+    if name == "reference":
+        from hf_carryover.reference import reference_target
 
-    from hf_carryover.reference import reference_target
-
-    torch.manual_seed(1234 + rank)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = getattr(torch, args.dtype)
-    if args.target == "reference":
         target, _ = reference_target(dtype=dtype)
     else:
         from transformers import AutoModelForCausalLM
 
-        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype)
-    target = target.to(device).eval()
+        target = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    return target.to(device).eval()
+
+
+def load_drafters(specs, dtype, device):
+    """`name=folder` specs -> {name: drafter} (remote code, as users load them)."""
+    from transformers import AutoModel
+
     drafters = {}
-    for spec in args.drafters:
+    for spec in specs:
         name, path = spec.split("=", 1)
         drafters[name] = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=dtype).to(device).eval()
+    return drafters
+
+
+def _setup(args):
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype)
+    return device, load_target(args.target, dtype, device), load_drafters(args.drafters, dtype, device)
+
+
+def worker(rank, args, jobs):
+    import torch
+
+    torch.manual_seed(1234 + rank)
+    device, target, drafters = _setup(args)
     out = open(Path(args.out) / f"raw-{rank}.jsonl", "a")
     for job in jobs[rank:: args.workers]:
         name, dataset, temp, pid, ids = job
@@ -79,17 +96,10 @@ def worker(rank, args, jobs):
 
 def offline(args):
     """T=0 τ by exact replay over batched greedy rollouts; writes the same raw records as `worker`."""
-    import torch
-    from transformers import AutoModel
-
     from hf_carryover.evaluation.offline_tau import offline_rounds
-    from hf_carryover.reference import reference_target
     from hf_carryover.training.data import regenerate_responses
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = getattr(torch, args.dtype)
-    target, tok = reference_target(dtype=dtype)
-    target = target.to(device).eval()
+    _, target, drafters = _setup(args)
     eos = target.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos)
     out = open(Path(args.out) / "raw-offline.jsonl", "a")
@@ -97,11 +107,10 @@ def offline(args):
         rows = load_prompts(args.prompts_dir, dataset, args.limit)
         roll_dir = Path(args.out) / f"rollouts-{dataset}"
         regenerate_responses(target, [(r["id"], r["input_ids"]) for r in rows], roll_dir,
-                             max_new_tokens=args.max_new_tokens, batch_size=64, pad_token_id=tok.pad_token_id)
+                             max_new_tokens=args.max_new_tokens, batch_size=64,
+                             pad_token_id=target.generation_config.pad_token_id)
         recs = [json.loads(x) for f in sorted(roll_dir.glob("shard-*.jsonl")) for x in f.read_text().splitlines()]
-        for spec in args.drafters:
-            name, path = spec.split("=", 1)
-            drafter = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=dtype).to(device).eval()
+        for name, drafter in drafters.items():
             drafter.bind_target(target)
             t0 = time.perf_counter()
             rounds = offline_rounds(target, drafter, [(r["prompt_len"], r["input_ids"]) for r in recs],
@@ -119,21 +128,12 @@ def engine_mode(args):
     """τ through the batched engine (`hf_carryover.engine`): all prompts of a dataset as rows advancing
     independently. Greedy rounds equal generate()'s except possibly each prompt's last (tested); at T>0 the
     output follows the target's distribution like generate()'s. Much faster than one generate() per prompt."""
-    import torch
-    from transformers import AutoModel
-
     from hf_carryover.engine.engine import SpeculativeEngine
-    from hf_carryover.reference import reference_target
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = getattr(torch, args.dtype)
-    target, _ = reference_target(dtype=dtype)
-    target = target.to(device).eval()
+    _, target, drafters = _setup(args)
     eos = target.generation_config.eos_token_id
     out = open(Path(args.out) / "raw-engine.jsonl", "a")
-    for spec in args.drafters:
-        name, path = spec.split("=", 1)
-        drafter = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=dtype).to(device).eval()
+    for name, drafter in drafters.items():
         for temp in args.temperatures:
             for dataset in args.datasets:
                 rows = load_prompts(args.prompts_dir, dataset, args.limit)
