@@ -54,7 +54,7 @@ def _replay(target, drafter, rollouts, max_new_tokens, eos_token_ids):
 
     t = plen.clone()  # anchor = position of the first generated token (the prefill's bonus token)
     carry = carry_pos = carry_valid = None
-    rounds = [{"accepted": [], "proposals": []} for _ in range(b)]
+    log = []  # per round: [2, b] accepted (-1 where the row is done) and proposals
     while True:
         budget = max_len - (t + 1) - 1  # proposals that could still be emitted, as in get_candidates
         active = (t < slen - 1) & (budget > 0)
@@ -76,14 +76,18 @@ def _replay(target, drafter, rollouts, max_new_tokens, eos_token_ids):
             last = ids.gather(1, (slen - 1)[:, None])[:, 0]
             hit_eos = (t + accepted == slen - 1) & torch.isin(last, eos) & (accepted > 0)
             accepted = accepted - hit_eos.long()
-        for r in torch.nonzero(active).flatten().tolist():
-            rounds[r]["accepted"].append(int(accepted[r]))
-            rounds[r]["proposals"].append(int(n_prop[r]))
+        log.append(torch.stack([torch.where(active, accepted, -1), n_prop]))  # stays on the device
         if cfg.carryover:
             carry = vfeats[:, 0]  # [b, k, F]: rows 1..k of this verification
             carry_pos = t[:, None] + j
             carry_valid = (j[None] > accepted[:, None]) & (j[None] <= n_prop[:, None]) & active[:, None]
         t = torch.where(active, t + accepted + 1, t)
+    rounds = [{"accepted": [], "proposals": []} for _ in range(b)]
+    for acc, prop in (torch.stack(log).tolist() if log else []):  # one transfer at the end
+        for r in range(b):
+            if acc[r] >= 0:
+                rounds[r]["accepted"].append(acc[r])
+                rounds[r]["proposals"].append(prop[r])
     return rounds
 
 
