@@ -107,14 +107,14 @@ def offline(args):
         rows = load_prompts(args.prompts_dir, dataset, args.limit)
         roll_dir = Path(args.out) / f"rollouts-{dataset}"
         regenerate_responses(target, [(r["id"], r["input_ids"]) for r in rows], roll_dir,
-                             max_new_tokens=args.max_new_tokens, batch_size=64,
+                             max_new_tokens=args.max_new_tokens, batch_size=args.engine_batch,
                              pad_token_id=target.generation_config.pad_token_id)
         recs = [json.loads(x) for f in sorted(roll_dir.glob("shard-*.jsonl")) for x in f.read_text().splitlines()]
         for name, drafter in drafters.items():
             drafter.bind_target(target)
             t0 = time.perf_counter()
             rounds = offline_rounds(target, drafter, [(r["prompt_len"], r["input_ids"]) for r in recs],
-                                    args.max_new_tokens, eos_token_ids=eos, batch_size=32)
+                                    args.max_new_tokens, eos_token_ids=eos, batch_size=args.engine_batch)
             dt = time.perf_counter() - t0
             for r, rd in zip(recs, rounds):
                 out.write(json.dumps({"drafter": name, "dataset": dataset, "temperature": 0.0, "id": r["id"],
@@ -133,9 +133,9 @@ def engine_mode(args):
     _, target, drafters = _setup(args)
     eos = target.generation_config.eos_token_id
     out = open(Path(args.out) / "raw-engine.jsonl", "a")
-    for name, drafter in drafters.items():
-        for temp in args.temperatures:
-            for dataset in args.datasets:
+    for temp in args.temperatures:  # drafters innermost: a time-boxed run still compares all of them
+        for dataset in args.datasets:
+            for name, drafter in drafters.items():
                 rows = load_prompts(args.prompts_dir, dataset, args.limit)
                 width = max(len(r["input_ids"]) for r in rows)
                 engine = SpeculativeEngine(target, drafter, max_len=width + args.max_new_tokens + 2 * drafter.config.block_size)
@@ -210,7 +210,7 @@ def main():
     p.add_argument("--summarize_only", action="store_true")
     p.add_argument("--offline", action="store_true", help="T=0 by exact replay (see module docstring)")
     p.add_argument("--engine", action="store_true", help="batched fast engine instead of generate()")
-    p.add_argument("--engine_batch", type=int, default=64)
+    p.add_argument("--engine_batch", type=int, default=64, help="rows per batch in --engine and --offline modes")
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.offline:

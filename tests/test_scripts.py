@@ -59,3 +59,34 @@ def test_accelerate_launch_tiny_cpu(tmp_path):
     assert (tmp_path / "run" / "final" / "modeling_drafter.py").exists()
     log = json.loads((tmp_path / "run" / "final" / "train_log.json").read_text())
     assert log[-1]["step"] == 2
+
+
+def test_time_limit_fits_the_lr_schedule_to_the_budget():
+    """The fitted cosine reaches its floor exactly at the projected step, and training stops there."""
+    import importlib.util
+
+    from transformers import TrainerControl, TrainerState
+    from transformers.optimization import get_cosine_schedule_with_warmup
+
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "trainer" / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    sys.modules["train_script"] = train  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(train)
+    now = [0.0]
+    cb = train.TimeLimit(minutes=10, fit_schedule=True, calibrate=(2, 6), reserve=0.0, clock=lambda: now[0])
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = get_cosine_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=10_000)
+    state, control = TrainerState(max_steps=10_000), TrainerControl()
+    lrs = []
+    for step in range(1, 10_000):
+        now[0] = 2.0 * step  # 2 s a step: 600 s hold 300 steps
+        opt.step()
+        sched.step()
+        lrs.append(sched.get_last_lr()[0])
+        state.global_step = step
+        cb.on_step_end(None, state, control, lr_scheduler=sched)
+        if control.should_training_stop:
+            break
+    assert cb.stop_at == step == 6 + int((600 - 12) / 2.0)
+    assert lrs[-1] < 1e-4 and max(lrs) > 0.99  # decayed to the floor at the stop, after a full warm-up
+    assert any("schedule_fitted_to_steps" in e for e in state.log_history)

@@ -44,19 +44,74 @@ class ScriptArguments:
     config: str | None = field(default=None, metadata={"help": "JSON config file (CLI flags override it)."})
     max_minutes: float | None = field(default=None, metadata={"help": "Safety stop after this many minutes "
                                                              "(the LR schedule still follows max_steps)."})
+    fit_schedule_to_time: bool = field(default=False, metadata={"help": "With --max_minutes: time the first "
+                                       "steps and shorten the LR schedule so it ends (decayed) at the deadline."})
 
 
 class TimeLimit(TrainerCallback):
-    """Stops (and checkpoints) a run that outlives its time budget; the log says it stopped early."""
+    """Stops (and checkpoints) a run that outlives its time budget; the log says it stopped early.
 
-    def __init__(self, minutes: float):
-        self.deadline = time.time() + 60 * minutes
+    With `fit_schedule=True` it also *fits the LR schedule to the budget*: it times steps `calibrate[0]` to
+    `calibrate[1]`, projects how many steps fit before the deadline, and shortens the scheduler's horizon
+    (`num_training_steps` of the cosine/linear lambda) to that count, then stops there. A time-stopped run then
+    ends with a fully decayed LR instead of being cut mid-schedule, which is what made earlier short runs
+    weak. Warm-up (in steps) is unchanged. Under DDP the ranks agree on one count (the minimum) and one stop.
+    """
+
+    def __init__(self, minutes: float, fit_schedule: bool = False, calibrate=(20, 60), reserve: float = 0.05,
+                 clock=time.time):
+        self.clock = clock
+        self.deadline = clock() + 60 * minutes
+        self.fit_schedule, self.calibrate, self.reserve = fit_schedule, calibrate, reserve
+        self.t_calibrate = None
+        self.stop_at = None
 
     def on_step_end(self, args, state, control, **kwargs):
-        if time.time() > self.deadline:
-            state.log_history.append({"stopped_early_at_step": state.global_step})
+        step, now = state.global_step, self.clock()
+        if self.fit_schedule and step == self.calibrate[0]:
+            self.t_calibrate = now
+        if self.fit_schedule and step == self.calibrate[1] and self.t_calibrate is not None:
+            per_step = (now - self.t_calibrate) / (self.calibrate[1] - self.calibrate[0])
+            fitted = step + int((self.deadline - now) * (1 - self.reserve) / max(per_step, 1e-9))
+            fitted = int(_agree(min(fitted, state.max_steps), "min"))
+            if fitted < state.max_steps and _refit_horizon(kwargs.get("lr_scheduler"), fitted):
+                state.log_history.append({"schedule_fitted_to_steps": fitted, "seconds_per_step": per_step,
+                                          "step": step})
+                self.stop_at = fitted
+        if self.stop_at is not None and step >= self.stop_at:
             control.should_training_stop = True
             control.should_save = True
+        elif _agree(float(now > self.deadline), "max"):
+            state.log_history.append({"stopped_early_at_step": step})
+            control.should_training_stop = True
+            control.should_save = True
+
+
+def _agree(value: float, op: str) -> float:
+    """One value for all ranks (min or max) so that no rank stops alone and leaves the others hanging."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([float(value)], device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _refit_horizon(scheduler, total_steps: int) -> bool:
+    """Set `num_training_steps` of transformers' schedule lambdas (functools.partial objects) in place."""
+    import functools
+
+    sched = getattr(scheduler, "scheduler", scheduler)  # unwrap accelerate's AcceleratedScheduler
+    lambdas = getattr(sched, "lr_lambdas", None)
+    if not lambdas or not all(isinstance(f, functools.partial) and "num_training_steps" in f.keywords
+                              for f in lambdas):
+        print(f"[train] cannot refit the LR schedule of {type(sched).__name__}; only the time stop applies")
+        return False
+    sched.lr_lambdas = [functools.partial(f.func, *f.args, **{**f.keywords, "num_training_steps": total_steps})
+                        for f in lambdas]
+    return True
 
 
 def parse(argv):
@@ -103,7 +158,8 @@ def main(argv=None):
     pad_id = pad_id if pad_id is not None else 0
     trainer = CarryoverTrainer(model=drafter, args=args, target=target, train_dataset=train, eval_dataset=evald,
                                data_collator=ResponseCollator(pad_id, args.max_seq_len),
-                               callbacks=[TimeLimit(script.max_minutes)] if script.max_minutes else None)
+                               callbacks=[TimeLimit(script.max_minutes, script.fit_schedule_to_time)]
+                               if script.max_minutes else None)
     resume = args.resume_from_checkpoint
     if resume == "auto":
         resume = get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None
