@@ -80,6 +80,7 @@ class SpeculativeEngine:
             a = torch.cumprod((drafts == choice[:, :k]).long(), 1).sum(1)
             return a, choice.gather(1, a[:, None])[:, 0]
         p = (logits / temperature).softmax(-1)  # [b, k+1, V]
+        q = p[:, :0] if q is None else q  # plain AR: no drafts, [b, 0, V], so the bonus slot samples p itself
         pd = p[:, :k].gather(2, drafts[..., None])[..., 0]
         qd = q.gather(2, drafts[..., None])[..., 0]
         u = torch.rand(b, k, generator=gen, device=drafts.device)
@@ -87,7 +88,7 @@ class SpeculativeEngine:
         a = torch.cumprod(ok.long(), 1).sum(1)
         rows = torch.arange(b, device=drafts.device)
         p_a = p[rows, a]  # target distribution at the first rejected (or bonus) slot
-        q_a = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[rows, a]  # bonus slot: residual is p itself
+        q_a = torch.cat([q, torch.zeros_like(p[:, :1])], 1)[rows, a]  # bonus slot: residual is p itself
         resid = (p_a - q_a).clamp(min=0)
         resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_a)
         nxt = torch.multinomial(resid / resid.sum(-1, keepdim=True), 1, generator=gen)[:, 0]
