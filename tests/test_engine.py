@@ -86,3 +86,34 @@ def test_sampling_matches_target_distribution(typ):
     pvals = _pvalues([tuple(s) for s in spec], [tuple(s) for s in plain.tolist()])
     assert min(pvals.values()) > ALPHA, pvals
     assert max(max(s) for s in spec) < VOCAB16
+
+
+# ---------------------------------------------------------------- static buffers reused across calls
+def _prompts(seed, lengths):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 90, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("typ", ["dflash", "markov", None])
+def test_repeated_generate_reuses_buffers_and_equals_fresh_engines(typ):
+    """Long prompts first (so later, shorter calls run over stale cache positions), then other prompt lengths,
+    another batch size, another budget and an EOS list: each call equals a fresh engine, rounds included, and a
+    shape seen before reuses the very same state tensors."""
+    target = build_target("llama", seed=5)
+    drafter = build_drafter(target, typ, True) if typ else None
+    engine = SpeculativeEngine(target, drafter, max_len=96)
+    calls = [(_prompts(0, (13, 11)), 30, None), (_prompts(1, (2, 5)), 30, None), (_prompts(2, (4, 1, 6)), 30, None),
+             (_prompts(3, (3, 9)), 17, None), (_prompts(4, (6, 2)), 30, [7, 8])]
+    for prompts, max_new, eos in calls:
+        fresh = SpeculativeEngine(target, drafter, max_len=96)
+        ref = fresh.generate(prompts, max_new_tokens=max_new, eos_token_id=eos)
+        assert engine.generate(prompts, max_new_tokens=max_new, eos_token_id=eos) == ref
+        assert engine.rounds == fresh.rounds
+    k = drafter.config.num_proposals if drafter else 0
+    assert set(engine._caches) == {2, 3}
+    assert set(engine._states) == {(2, k, 30 + k + 1, 0), (3, k, 30 + k + 1, 0), (2, k, 17 + k + 1, 0),
+                                   (2, k, 30 + k + 1, 2)}
+    st = engine._states[(2, k, 31 + k, 0)]
+    out, cache_k = st.out, st.cache.k[0]
+    engine.generate(_prompts(5, (8, 3)), max_new_tokens=30)
+    assert engine._states[(2, k, 31 + k, 0)].out is out and engine._caches[2][0].k[0] is cache_k
