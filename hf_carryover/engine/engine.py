@@ -10,8 +10,8 @@ Every round, for all b rows at once:
      prefix stay invisible and are overwritten later); rows a+1..k become the next round's carryover.
 No tensor changes shape between rounds; rollback is moving a row's position. Without a drafter the same loop
 is plain autoregressive decoding (k = 0). A round reads and writes only the static tensors of a `DecodeState`
-(and the caches) in place, and those tensors are allocated once per shape and reused by later calls: the
-shape-static form a CUDA graph of the round needs.
+(and the caches) in place, so the same code runs eagerly and, with `cuda_graphs=True` and greedy decoding on
+CUDA, as one replayed CUDA graph per round (`graphs.py`).
 Sampling supports temperature only (no top-k/top-p/penalties yet); greedy needs no processors.
 """
 
@@ -19,10 +19,16 @@ from __future__ import annotations
 
 import inspect
 import time
+import warnings
 
 import torch
 
+from .graphs import capture_round
 from .static_cache import DrafterStaticCache, TargetStaticCache
+
+
+def _is_cuda(device) -> bool:
+    return torch.device(device).type == "cuda"
 
 
 def _is_eos(tokens, eos):
@@ -32,7 +38,7 @@ def _is_eos(tokens, eos):
 
 class DecodeState:
     """Everything a round reads and writes besides the weights: allocated once per (b, k, cap, n_eos) and only
-    ever updated in place, so that a captured graph could hold these exact addresses. `reset` loads a new prompt's
+    ever updated in place, because a captured graph holds these exact addresses. `reset` loads a new prompt's
     state after its (eager) prefill; positions the last call left in the caches are never visible (see
     `static_cache.py`: every position below a row's anchor is rewritten by that row's prefill or accepted
     verifications before any query can see it), so the caches are reused without clearing."""
@@ -81,10 +87,18 @@ class DecodeState:
 
 
 class SpeculativeEngine:
-    def __init__(self, target, drafter=None, max_len: int = 2048, profile: bool = False):
+    def __init__(self, target, drafter=None, max_len: int = 2048, profile: bool = False, cuda_graphs: bool = False):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
-        `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs."""
+        `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
+
+        cuda_graphs=True replays each greedy round as one captured CUDA graph (`graphs.py` lists what was checked
+        for capture safety). It applies to greedy decoding on CUDA without profiling; otherwise the call runs
+        eagerly. `self.last_mode` says how the last `generate()` ran: "eager", "cuda_graph", "eager (no CUDA)",
+        "eager (sampling)", "eager (profile)", "eager (nothing to decode)" or "eager (capture failed: <error>)"
+        (warned once per shape: a failed shape is not captured again)."""
         self.profile = profile
+        self.cuda_graphs = cuda_graphs
+        self.last_mode: str | None = None
         self.timing = {"draft": 0.0, "verify": 0.0, "other": 0.0, "rounds": 0}
         self.target = target.eval()
         self.drafter = drafter.eval() if drafter is not None else None
@@ -97,6 +111,7 @@ class SpeculativeEngine:
         self._steps: torch.Tensor | None = None  # arange(max_len) on the device, shared by every round
         self._caches: dict = {}  # b -> (TargetStaticCache, DrafterStaticCache | None)
         self._states: dict = {}  # (b, k, cap, n_eos) -> DecodeState
+        self._graphs: dict = {}  # (b, k, cap, n_eos) -> CUDAGraph, or the error text of a failed capture
 
     # ------------------------------------------------------------------ static buffers
     def _state(self, b, k, max_new, n_eos, dev, dtype) -> DecodeState:
@@ -260,13 +275,44 @@ class SpeculativeEngine:
             st.dcache.write(self.drafter, self.drafter.fuse(feats), pos)
         st.reset(anchor, plen, eos)
 
-        clock = _Clock(self.profile, dev, self.timing)
-        while not bool(st.done.all()):  # the one host sync per round (outputs stay on the device)
-            self._round(st, do_sample, temperature, gen, clock)
+        graph, self.last_mode = self._graph(st, dev, do_sample)
+        if graph is not None:
+            while not bool(st.done.all()):  # the one host sync per round
+                graph.replay()
+        else:
+            clock = _Clock(self.profile, dev, self.timing)
+            while not bool(st.done.all()):  # the one host sync per round (outputs stay on the device)
+                self._round(st, do_sample, temperature, gen, clock)
         log = st.accepted[:, : int(st.round)].tolist()
         self.rounds = [[x for x in row if x >= 0] for row in log]
         n_out = st.n_out.tolist()
         return [row[:n] for row, n in zip(st.out.tolist(), n_out)]
+
+    def _graph(self, st: DecodeState, dev, do_sample):
+        """(captured round or None, mode string). Captures on the first call for this shape; a failed capture is
+        remembered (and warned about once), and that shape then decodes eagerly, never with a broken graph."""
+        if not self.cuda_graphs:
+            return None, "eager"
+        if not _is_cuda(dev):
+            return None, "eager (no CUDA)"
+        if do_sample:  # per-call Generator state under graphs: see graphs.py
+            return None, "eager (sampling)"
+        if self.profile:  # phase timing needs syncs inside the round
+            return None, "eager (profile)"
+        key = (st.b, st.k, st.cap, st.eos.numel())
+        if key not in self._graphs:
+            if bool(st.done.all()):  # nothing to decode: do not capture on a finished state
+                return None, "eager (nothing to decode)"
+            try:
+                self._graphs[key] = capture_round(lambda: self._round(st), st.tensors())
+            except Exception as e:  # noqa: BLE001  (any capture error: decode eagerly instead)
+                self._graphs[key] = f"{type(e).__name__}: {e}"
+                warnings.warn(f"CUDA-graph capture failed for batch {st.b}; decoding eagerly: {self._graphs[key]}",
+                              stacklevel=2)
+        entry = self._graphs[key]
+        if isinstance(entry, str):
+            return None, f"eager (capture failed: {entry})"
+        return entry, "cuda_graph"
 
     @property
     def tau(self) -> float:
