@@ -25,7 +25,8 @@ def test_benchmark_script_tiny(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(ROOT / "examples" / "benchmark.py"), "--target", "tiny", "--drafters",
            f"m={tmp_path / 'drafter'}", "--datasets", "mtbench", "--prompts_dir", str(prompts), "--limit", "3",
-           "--max_new_tokens", "12", "--batch_sizes", "1", "3", "--profile", "--out", str(tmp_path / "out")]
+           "--max_new_tokens", "12", "--batch_sizes", "1", "3", "--profile", "--cuda_graphs", "--out",
+           str(tmp_path / "out")]
     subprocess.run(cmd, check=True, env=env, capture_output=True, cwd=tmp_path)
     summary = json.loads((tmp_path / "out" / "bench.json").read_text())
     methods = {r["method"] for r in summary["results"]}
@@ -33,6 +34,8 @@ def test_benchmark_script_tiny(tmp_path):
             "hf_own_dflash:m"} <= methods
     assert all(r["tokens"] == 36 for r in summary["results"])  # 3 prompts x 12 tokens, eos never hit
     assert "| mtbench | engine:m@3 |" in (tmp_path / "out" / "bench.md").read_text()
+    assert {r["mode"] for r in summary["results"] if r["method"].startswith("engine")} == {"eager (no CUDA)"}
+    assert "cuda_graphs" not in summary["not_covered"]
     spec1 = next(r for r in summary["results"] if r["method"] == "engine:m@1")
     assert set(spec1["per_round_s"]) == {"draft", "verify", "other"} and spec1["predicted_speedup_vs_engine_ar"] > 0
 
