@@ -10,8 +10,9 @@ Methods (each skipped with a recorded reason when it cannot run here):
   hf_spec:<name>      generate(assistant_model=drafter)   (our HF path)
   hf_own_dflash:<name> generate(assistant_model=drafter, speculation_type="dflash"): transformers' own DFlash
                       loop driving our drafter (DFlash drafters with a target-row mask; no Carryover there)
-  engine_ar           hf_carryover.engine without a drafter (static caches, eager)
+  engine_ar           hf_carryover.engine without a drafter (static caches; eager, or CUDA graphs with --cuda_graphs)
   engine:<name>       hf_carryover.engine with the drafter, at every --batch_sizes value (throughput)
+Engine rows record `mode`: how the engine ran ("eager", "cuda_graph", or why graphs were not used).
 Not covered yet: vLLM (needs the bundle, DESIGN.md §12). Timing: warm-up excluded, CUDA-synchronised wall time. Every finished measurement is
 appended to `<out>/bench_raw.jsonl`; `<out>/bench.json` and `<out>/bench.md` summarise with environment.
 """
@@ -80,21 +81,26 @@ def run_hf(target, prompts, max_new, **kw):
             "tau": sum(taus) / len(taus) if taus else None}
 
 
-def run_engine(target, drafter, prompts, max_new, batch, eos, profile=False):
+def run_engine(target, drafter, prompts, max_new, batch, eos, profile=False, cuda_graphs=False):
     from hf_carryover.engine.engine import SpeculativeEngine
 
     k = drafter.config.block_size if drafter is not None else 1
     engine = SpeculativeEngine(target, drafter, max_len=max(len(p) for p in prompts) + max_new + 2 * k,
-                               profile=profile)
-    n_tok, secs, acc = 0, 0.0, []
-    for i in range(0, len(prompts), batch):
-        chunk = prompts[i : i + batch]
+                               profile=profile, cuda_graphs=cuda_graphs)
+    chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+    if cuda_graphs:  # capture outside the timed loop: one graph per batch size (the last chunk may be smaller)
+        for size in sorted({len(c) for c in chunks}):
+            engine.generate(next(c for c in chunks if len(c) == size), max_new_tokens=max_new, eos_token_id=eos)
+    n_tok, secs, acc, modes = 0, 0.0, [], []
+    for chunk in chunks:
         out, dt = _timed(lambda: engine.generate(chunk, max_new_tokens=max_new, eos_token_id=eos))
         n_tok += sum(len(o) for o in out)
         secs += dt
         acc += [a for rows in engine.rounds for a in rows]
+        modes.append(engine.last_mode)
     res = {"tokens": n_tok, "seconds": secs, "tok_per_s": n_tok / secs,
-           "tau": (sum(acc) + len(acc)) / len(acc) if drafter is not None and acc else None}
+           "tau": (sum(acc) + len(acc)) / len(acc) if drafter is not None and acc else None,
+           "mode": " | ".join(dict.fromkeys(modes))}  # one mode unless some batch shapes could not be captured
     if profile and engine.timing["rounds"]:
         n = engine.timing["rounds"]
         res["per_round_s"] = {p: engine.timing[p] / n for p in ("draft", "verify", "other")}
@@ -113,6 +119,8 @@ def main():
     p.add_argument("--methods", nargs="*", help="subset of method names (default: all)")
     p.add_argument("--profile", action="store_true", help="engine: time draft/verify/other per round (adds syncs) "
                    "and check the latency model τ·T_ar/(T_draft+T_verify) against the measured speedup")
+    p.add_argument("--cuda_graphs", action="store_true", help="engine rows: replay each greedy round as a CUDA "
+                   "graph (captured before timing); with --profile the engine stays eager to time its phases")
     p.add_argument("--random_drafter", action="store_true", help="add a random DFlash drafter built from the target "
                    "(timing projections, e.g. with --target qwen3-4b-random)")
     p.add_argument("--out", required=True)
@@ -136,10 +144,10 @@ def main():
 
     # fastest first: when a time box cuts the run, the engine rows and the HF baselines exist already
     methods = [(f"engine_ar@{b}", lambda pr, b=b: run_engine(target, None, pr, args.max_new_tokens, b, eos,
-                                                                args.profile))
+                                                                args.profile, args.cuda_graphs))
                for b in args.batch_sizes]
     methods += [(f"engine:{n}@{b}", lambda pr, d=d, b=b: run_engine(target, d, pr, args.max_new_tokens, b, eos,
-                                                                    args.profile))
+                                                                    args.profile, args.cuda_graphs))
                 for n, d in drafters.items() for b in args.batch_sizes]
     methods += [("hf_eager", lambda pr: run_hf(target, pr, args.max_new_tokens))]
     methods += [(f"hf_spec:{n}", lambda pr, d=d: run_hf(target, pr, args.max_new_tokens, assistant_model=d))
@@ -162,7 +170,8 @@ def main():
             rows.append(res)
             raw.write(json.dumps(res) + "\n")
             raw.flush()
-            print(f"{dataset:10s} {name:28s} {res['tok_per_s']:8.1f} tok/s  τ {res['tau'] or '-'}", flush=True)
+            print(f"{dataset:10s} {name:28s} {res['tok_per_s']:8.1f} tok/s  τ {res['tau'] or '-'}"
+                  f"{'  ' + res['mode'] if 'mode' in res else ''}", flush=True)
 
     from hf_carryover.engine.engine import predicted_speedup
 
@@ -177,16 +186,19 @@ def main():
             ref = next((x for x in rows if x["method"] == base and x["dataset"] == r["dataset"]), None)
             if ref:
                 r[f"speedup_vs_{base}"] = r["tok_per_s"] / ref["tok_per_s"]
+    not_covered = {"vllm": "needs the vLLM bundle (DESIGN.md §12); not wired in yet"}
+    if not args.cuda_graphs:
+        not_covered["cuda_graphs"] = "engine rows ran eagerly; --cuda_graphs replays greedy rounds as CUDA graphs"
     summary = {"command": " ".join(["python"] + sys.argv), "environment": environment(),
-               "max_new_tokens": args.max_new_tokens, "results": rows,
-               "not_covered": {"vllm": "needs the vLLM bundle (DESIGN.md §12); not wired in yet",
-                               "cuda_graphs": "the engine runs eagerly; graph capture is not implemented yet"}}
+               "max_new_tokens": args.max_new_tokens, "cuda_graphs": args.cuda_graphs, "results": rows,
+               "not_covered": not_covered}
     (out_dir / "bench.json").write_text(json.dumps(summary, indent=2))
-    lines = ["| dataset | method | tok/s | τ | × hf_eager | × engine_ar@1 |", "|---|---|---|---|---|---|"]
+    lines = ["| dataset | method | tok/s | τ | × hf_eager | × engine_ar@1 | mode |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         tau = f"{r['tau']:.2f}" if r["tau"] else "–"
         lines.append(f"| {r['dataset']} | {r['method']} | {r['tok_per_s']:.1f} | {tau} | "
-                     f"{r.get('speedup_vs_hf_eager', 0):.2f} | {r.get('speedup_vs_engine_ar@1', 0):.2f} |")
+                     f"{r.get('speedup_vs_hf_eager', 0):.2f} | {r.get('speedup_vs_engine_ar@1', 0):.2f} | "
+                     f"{r.get('mode', '–')} |")
     (out_dir / "bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -118,9 +118,11 @@ class DrafterAttention(nn.Module):
         v = torch.cat([kv[1] for kv in kv_pieces] + [v_blk], dim=2)
         if kv_store is not None:
             k, v = kv_store(k, v)
-        if self.num_kv_heads != self.num_heads:  # GQA: [b, kvh, n, hd] -> [b, h, n, hd]
+        if self.num_kv_heads != self.num_heads:  # GQA: [b, kvh, n, hd] -> [b, kvh, rep, n, hd] -> [b, h, n, hd]
+            # expand + reshape, not repeat_interleave: same values, but no index tensor whose size some ATen
+            # versions check with a host sync (the engine captures this forward in a CUDA graph)
             rep = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            k, v = (x[:, :, None].expand(-1, -1, rep, -1, -1).flatten(1, 2) for x in (k, v))
         if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):  # FlexAttention BlockMask (training)
             out = _flex_attention()(q, k, v, block_mask=attn_mask)
         else:

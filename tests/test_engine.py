@@ -1,12 +1,16 @@
 """Fast engine (eager reference, CPU): exact greedy output, the same rounds as generate(), lossless sampling."""
 
+import warnings
+
 import pytest
 import torch
 from conftest import build_drafter, build_target
 from test_offline_tau import overfit
 from test_sampling import ALPHA, NEW, PROMPT, VOCAB16, _drafter, _pvalues, _target
 
+from hf_carryover.engine import engine as engine_mod
 from hf_carryover.engine.engine import SpeculativeEngine
+from hf_carryover.engine.graphs import restored
 
 
 def _greedy_refs(target, prompts, max_new, eos=None):
@@ -67,20 +71,132 @@ def test_rounds_equal_generate_with_a_good_drafter(typ, carryover):
     assert engine.tau > 2.0, engine.tau
 
 
-@pytest.mark.parametrize("typ", ["dflash", "markov"])
+@pytest.mark.parametrize("typ", ["dflash", "markov", None])
 def test_sampling_matches_target_distribution(typ):
     """Chi-square two-sample tests at alpha = 0.001 (per position and adjacent pairs), as in test_sampling.py:
-    engine samples (one batch of N rows, so rows advance independently) against the target's own sampling."""
+    engine samples (one batch of N rows, so rows advance independently) against the target's own sampling.
+    typ None: plain AR sampling through the engine (no drafts, every token from the bonus slot)."""
     n = 2000
     target = _target()
-    drafter = _drafter(target, typ)
+    drafter = _drafter(target, typ) if typ else None
     torch.manual_seed(11)
     plain = target.generate(PROMPT.repeat(n, 1), max_new_tokens=NEW, do_sample=True, top_k=0)[:, PROMPT.shape[1]:]
     engine = SpeculativeEngine(target, drafter, max_len=32)
     spec = engine.generate([PROMPT[0].tolist()] * n, max_new_tokens=NEW, do_sample=True, seed=12)
     assert all(len(s) == NEW for s in spec)
-    rejected = sum(a < drafter.config.num_proposals for rows in engine.rounds for a in rows)
-    assert rejected > n // 4, "rejections must be frequent for the test to mean anything"
+    if drafter is not None:
+        rejected = sum(a < drafter.config.num_proposals for rows in engine.rounds for a in rows)
+        assert rejected > n // 4, "rejections must be frequent for the test to mean anything"
     pvals = _pvalues([tuple(s) for s in spec], [tuple(s) for s in plain.tolist()])
     assert min(pvals.values()) > ALPHA, pvals
     assert max(max(s) for s in spec) < VOCAB16
+
+
+# ---------------------------------------------------------------- static buffers and CUDA-graph plumbing (CPU)
+def _prompts(seed, lengths):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 90, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("typ", ["dflash", "markov", None])
+def test_repeated_generate_reuses_buffers_and_equals_fresh_engines(typ):
+    """Long prompts first (so later, shorter calls run over stale cache positions), then other prompt lengths,
+    another batch size, another budget and an EOS list: each call equals a fresh engine, rounds included, and a
+    shape seen before reuses the very same state tensors."""
+    target = build_target("llama", seed=5)
+    drafter = build_drafter(target, typ, True) if typ else None
+    engine = SpeculativeEngine(target, drafter, max_len=96)
+    calls = [(_prompts(0, (13, 11)), 30, None), (_prompts(1, (2, 5)), 30, None), (_prompts(2, (4, 1, 6)), 30, None),
+             (_prompts(3, (3, 9)), 17, None), (_prompts(4, (6, 2)), 30, [7, 8])]
+    for prompts, max_new, eos in calls:
+        fresh = SpeculativeEngine(target, drafter, max_len=96)
+        ref = fresh.generate(prompts, max_new_tokens=max_new, eos_token_id=eos)
+        assert engine.generate(prompts, max_new_tokens=max_new, eos_token_id=eos) == ref
+        assert engine.rounds == fresh.rounds
+    k = drafter.config.num_proposals if drafter else 0
+    assert set(engine._caches) == {2, 3}
+    assert set(engine._states) == {(2, k, 30 + k + 1, 0), (3, k, 30 + k + 1, 0), (2, k, 17 + k + 1, 0),
+                                   (2, k, 30 + k + 1, 2)}
+    st = engine._states[(2, k, 31 + k, 0)]
+    out, cache_k = st.out, st.cache.k[0]
+    engine.generate(_prompts(5, (8, 3)), max_new_tokens=30)
+    assert engine._states[(2, k, 31 + k, 0)].out is out and engine._caches[2][0].k[0] is cache_k
+
+
+def test_cuda_graphs_on_cpu_runs_eagerly_without_warning():
+    target = build_target("llama")
+    drafter = build_drafter(target, "dflash", True)
+    prompts = _prompts(0, (4, 7))
+    ref = SpeculativeEngine(target, drafter, max_len=64)
+    expected = ref.generate(prompts, max_new_tokens=12)
+    assert ref.last_mode == "eager"
+    engine = SpeculativeEngine(target, drafter, max_len=64, cuda_graphs=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert engine.generate(prompts, max_new_tokens=12) == expected
+    assert engine.last_mode == "eager (no CUDA)"
+
+
+class _EagerGraph:
+    """Stands in for a CUDAGraph on CPU: replay() runs the round function it was 'captured' from."""
+
+    def __init__(self, fn):
+        self.replay = fn
+
+
+def _fake_capture(captured):
+    def capture(round_fn, tensors, warmup=3):
+        before = [t.clone() for t in tensors]
+        with restored(tensors):  # the real warm-up: decode on the live state, then restore it
+            for _ in range(warmup):
+                round_fn()
+            assert any(not torch.equal(t, s) for t, s in zip(tensors, before))
+        assert all(torch.equal(t, s) for t, s in zip(tensors, before)), "warm-up left a trace"
+        captured.append(tensors)
+        return _EagerGraph(round_fn)
+
+    return capture
+
+
+@pytest.mark.parametrize("typ", ["dflash", None])
+def test_graph_path_plumbing_with_eager_stand_in(monkeypatch, typ):
+    """The cuda_graphs control flow on CPU: warm-up rounds on the live state leave no trace (restore), one capture
+    per shape serves later prompts of other lengths, the replay loop gives the eager tokens and rounds, and
+    sampling stays eager."""
+    monkeypatch.setattr(engine_mod, "_is_cuda", lambda dev: True)
+    captured = []
+    monkeypatch.setattr(engine_mod, "capture_round", _fake_capture(captured))
+    target = build_target("llama", seed=5)
+    drafter = build_drafter(target, typ, True) if typ else None
+    engine = SpeculativeEngine(target, drafter, max_len=96, cuda_graphs=True)
+    for seed, lengths in ((0, (5, 12)), (1, (3, 2)), (2, (9, 4))):
+        prompts = _prompts(seed, lengths)
+        fresh = SpeculativeEngine(target, drafter, max_len=96)
+        assert engine.generate(prompts, max_new_tokens=25) == fresh.generate(prompts, max_new_tokens=25)
+        assert engine.rounds == fresh.rounds and engine.last_mode == "cuda_graph"
+    assert len(captured) == 1
+    engine.generate(_prompts(3, (4,)), max_new_tokens=25, do_sample=True)
+    assert engine.last_mode == "eager (sampling)" and len(captured) == 1
+
+
+def test_failed_capture_falls_back_to_eager_with_one_warning(monkeypatch):
+    monkeypatch.setattr(engine_mod, "_is_cuda", lambda dev: True)
+
+    def broken(round_fn, tensors, warmup=3):
+        with restored(tensors):
+            round_fn()  # a warm-up round ran before capture failed: it must leave no trace
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(engine_mod, "capture_round", broken)
+    target = build_target("llama")
+    drafter = build_drafter(target, "markov", True)
+    engine = SpeculativeEngine(target, drafter, max_len=64, cuda_graphs=True)
+    ref = SpeculativeEngine(target, drafter, max_len=64)
+    prompts = _prompts(0, (4, 7))
+    with pytest.warns(UserWarning, match="capture failed.*not permitted"):
+        assert engine.generate(prompts, max_new_tokens=20) == ref.generate(prompts, max_new_tokens=20)
+    assert engine.last_mode == "eager (capture failed: RuntimeError: operation not permitted when stream is capturing)"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the failure is remembered per shape: no second attempt, no second warning
+        assert engine.generate(prompts[::-1], max_new_tokens=20) == ref.generate(prompts[::-1], max_new_tokens=20)
+    assert engine.last_mode.startswith("eager (capture failed")

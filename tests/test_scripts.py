@@ -25,7 +25,8 @@ def test_benchmark_script_tiny(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(ROOT / "examples" / "benchmark.py"), "--target", "tiny", "--drafters",
            f"m={tmp_path / 'drafter'}", "--datasets", "mtbench", "--prompts_dir", str(prompts), "--limit", "3",
-           "--max_new_tokens", "12", "--batch_sizes", "1", "3", "--profile", "--out", str(tmp_path / "out")]
+           "--max_new_tokens", "12", "--batch_sizes", "1", "3", "--profile", "--cuda_graphs", "--out",
+           str(tmp_path / "out")]
     subprocess.run(cmd, check=True, env=env, capture_output=True, cwd=tmp_path)
     summary = json.loads((tmp_path / "out" / "bench.json").read_text())
     methods = {r["method"] for r in summary["results"]}
@@ -33,6 +34,8 @@ def test_benchmark_script_tiny(tmp_path):
             "hf_own_dflash:m"} <= methods
     assert all(r["tokens"] == 36 for r in summary["results"])  # 3 prompts x 12 tokens, eos never hit
     assert "| mtbench | engine:m@3 |" in (tmp_path / "out" / "bench.md").read_text()
+    assert {r["mode"] for r in summary["results"] if r["method"].startswith("engine")} == {"eager (no CUDA)"}
+    assert "cuda_graphs" not in summary["not_covered"]
     spec1 = next(r for r in summary["results"] if r["method"] == "engine:m@1")
     assert set(spec1["per_round_s"]) == {"draft", "verify", "other"} and spec1["predicted_speedup_vs_engine_ar"] > 0
 
@@ -90,3 +93,22 @@ def test_time_limit_fits_the_lr_schedule_to_the_budget():
     assert cb.stop_at == step == 6 + int((600 - 12) / 2.0)
     assert lrs[-1] < 1e-4 and max(lrs) > 0.99  # decayed to the floor at the stop, after a full warm-up
     assert any("schedule_fitted_to_steps" in e for e in state.log_history)
+
+
+def test_gpu_engine_check_tiny_cpu(tmp_path):
+    """trainer/gpu_engine_check.py end to end on CPU with a tiny target: every row present, exact, no errors
+    (the graph engine runs eagerly here, so this checks the plumbing, not the graphs)."""
+    out = tmp_path / "engine_check.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "trainer" / "gpu_engine_check.py"), "--device", "cpu", "--tiny",
+           "--max_new_tokens", "8", "--reps", "1", "--out", str(out)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    summary = json.loads(out.read_text())
+    rows = summary["rows"]
+    assert [(r["dtype"], r["method"], r["batch"]) for r in rows] == [
+        (d, m, b) for d in ("fp32", "bf16") for m in ("ar", "dflash") for b in (1, 4)]
+    assert not [r for r in rows if "error" in r], rows
+    assert summary["all_exact"] and not summary["graphs_used"]
+    assert {r.get("mode", r.get("graph_mode")) for r in rows} == {"eager (no CUDA)"}
+    assert all(r["eager_tok_per_s"] > 0 and r["graph_tok_per_s"] > 0 for r in rows if r["dtype"] == "bf16")

@@ -19,12 +19,14 @@ from hf_carryover import Drafter
 from hf_carryover.training.objectives import draft_blocks, sample_anchors, stage1_loss, stage2_loss, target_pass
 
 
-def smollm2_shaped(dtype):
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-                      tie_word_embeddings=True, rope_theta=100000.0, eos_token_id=2, bos_token_id=1, pad_token_id=2)
+def smollm2_shaped(dtype, device="cuda", **overrides):
+    """A random Llama with SmolLM2-135M's shapes (seeded: the same weights every call); `overrides` change config
+    fields (trainer/gpu_engine_check.py shrinks it for a CPU smoke test)."""
+    kw = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+              num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+              tie_word_embeddings=True, rope_theta=100000.0, eos_token_id=2, bos_token_id=1, pad_token_id=2)
     torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).to("cuda", dtype).eval()
+    return LlamaForCausalLM(LlamaConfig(**{**kw, **overrides})).to(device, dtype).eval()
 
 
 def main():

@@ -22,8 +22,8 @@ export HF_CARRYOVER_CACHE=$A/cache HF_CARRYOVER_OFFLINE=1 HF_CARRYOVER_SMOLLM2_G
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export HF_CARRYOVER_COMMIT=$(cat .device/commit 2>/dev/null || echo unknown)
 TYPES=(dflash markov)  # GPU i trains TYPES[i]
-S1_MINUTES=${S1_MINUTES:-6.5}
-S2_MINUTES=${S2_MINUTES:-6}
+S1_MINUTES=${S1_MINUTES:-6}
+S2_MINUTES=${S2_MINUTES:-5.5}
 
 L=$A/logs/$phase
 mkdir -p "$L"
@@ -123,25 +123,31 @@ eval)
   D=""; for t in "${TYPES[@]}"; do for v in baseline carryover; do D="$D $t-$v=$A/runs/$t-$v/final"; done; done
   P="--prompts_dir $A/prompts"; F="--dtype float32"  # τ in fp32: the exactness the tests assert
   BENCH_DRAFTERS=${BENCH_DRAFTERS:-"dflash-baseline=$A/runs/dflash-baseline/final dflash-carryover=$A/runs/dflash-carryover/final markov-carryover=$A/runs/markov-carryover/final"}
-  (  # GPU 1: wall-clock benchmark, same prompts, every method (each finished row lands in bench_raw.jsonl)
+  (  # GPU 1: the CUDA-graph engine check, then the wall-clock benchmark (same prompts, every method; each finished
+     # row lands in bench_raw.jsonl at once), the latency-model run (eager, profiled) and the 4B projection
     export CUDA_VISIBLE_DEVICES=1
-    timeout ${BENCH_SECONDS:-300} python3 examples/benchmark.py $P --drafters $BENCH_DRAFTERS \
-      --datasets humaneval mtbench --limit ${BENCH_LIMIT:-5} --batch_sizes 1 4 16 --profile ${BENCH_FLAGS:-} \
-      ${BENCH_EXTRA:-} --out $R/bench > "$L/bench.log" 2>&1 || log "benchmark stopped: $?"
-    [ "${BENCH4B:-1}" = 1 ] && timeout 90 python3 examples/benchmark.py $P --target qwen3-4b-random --random_drafter --datasets mtbench \
-      --limit 3 --max_new_tokens 128 --methods engine_ar engine --profile ${BENCH_FLAGS:-} \
-      --out $R/bench4b > "$L/bench4b.log" 2>&1 || log "4B projection stopped: $?"
+    timeout ${CHECK_SECONDS:-80} python3 trainer/gpu_engine_check.py --out $R/gpu_engine_check.json \
+      > "$L/gpu_engine_check.log" 2>&1 || log "engine check stopped: $?"
+    timeout ${BENCH_SECONDS:-200} python3 examples/benchmark.py $P --drafters $BENCH_DRAFTERS --cuda_graphs \
+      --datasets humaneval mtbench --limit ${BENCH_LIMIT:-5} --batch_sizes 1 4 16 ${BENCH_EXTRA:-} \
+      --out $R/bench > "$L/bench.log" 2>&1 || log "benchmark stopped: $?"
+    timeout 60 python3 examples/benchmark.py $P --drafters $BENCH_DRAFTERS --methods engine_ar engine \
+      --datasets humaneval --limit 3 --batch_sizes 1 --profile ${BENCH_EXTRA:-} \
+      --out $R/bench_profile > "$L/bench_profile.log" 2>&1 || log "profile run stopped: $?"
+    [ "${BENCH4B:-1}" = 1 ] && timeout 60 python3 examples/benchmark.py $P --target qwen3-4b-random --random_drafter \
+      --datasets mtbench --limit 2 --max_new_tokens 128 --methods engine_ar engine --profile \
+      --out $R/bench4b > "$L/bench4b.log" 2>&1 || log "4B projection stopped or skipped: $?"
   ) &
   export CUDA_VISIBLE_DEVICES=0
   # T=0: exact offline replay of one greedy rollout per prompt (tested equal to generate()'s rounds)
-  timeout ${TAU0_SECONDS:-150} python3 examples/evaluate_tau.py $P $F ${TAU_EXTRA:-} --offline --drafters $D \
-    --datasets mtbench humaneval sharegpt --out $R/tau0 > "$L/tau0.log" 2>&1 || log "offline tau stopped: $?"; flush
+  timeout ${TAU0_SECONDS:-200} python3 examples/evaluate_tau.py $P $F ${TAU_EXTRA:-} --offline --drafters $D \
+    --datasets mtbench humaneval sharegpt --engine_batch 128 --out $R/tau0 > "$L/tau0.log" 2>&1 || log "offline tau stopped: $?"; flush
   # T=1: the batched engine (lossless speculative sampling, tested against the target distribution)
-  timeout ${TAU1_SECONDS:-180} python3 examples/evaluate_tau.py $P $F ${TAU_EXTRA:-} --engine --drafters $D \
-    --datasets mtbench humaneval sharegpt --temperatures 1 --out $R/tau_engine > "$L/tau_engine.log" 2>&1 \
+  timeout ${TAU1_SECONDS:-150} python3 examples/evaluate_tau.py $P $F ${TAU_EXTRA:-} --engine --drafters $D \
+    --datasets mtbench humaneval sharegpt --temperatures 1 --engine_batch 128 --out $R/tau_engine > "$L/tau_engine.log" 2>&1 \
     || log "engine tau stopped: $?"; flush
   # cross-check through target.generate(assistant_model=...) itself, a few prompts, T=0 and T=1
-  timeout ${GEN_SECONDS:-90} python3 examples/evaluate_tau.py $P $F ${TAU_EXTRA:-} --drafters $D --datasets mtbench \
+  timeout ${GEN_SECONDS:-60} python3 examples/evaluate_tau.py $P $F ${TAU_EXTRA:-} --drafters $D --datasets mtbench \
     --temperatures 0 1 --limit 4 --out $R/tau_gen > "$L/tau_gen.log" 2>&1 || log "generate tau stopped: $?"; flush
   for x in tau0 tau_engine tau_gen; do
     python3 examples/evaluate_tau.py $P --drafters $D --out $R/$x --summarize_only > /dev/null 2>&1 || true

@@ -9,7 +9,9 @@ Every round, for all b rows at once:
   4. the drafter's context cache receives all k+1 verified rows at their positions (rows past the accepted
      prefix stay invisible and are overwritten later); rows a+1..k become the next round's carryover.
 No tensor changes shape between rounds; rollback is moving a row's position. Without a drafter the same loop
-is plain autoregressive decoding (k = 0). This is the eager reference; CUDA-graph capture builds on it.
+is plain autoregressive decoding (k = 0). A round reads and writes only the static tensors of a `DecodeState`
+(and the caches) in place, so the same code runs eagerly and, with `cuda_graphs=True` and greedy decoding on
+CUDA, as one replayed CUDA graph per round (`graphs.py`).
 Sampling supports temperature only (no top-k/top-p/penalties yet); greedy needs no processors.
 """
 
@@ -17,17 +19,86 @@ from __future__ import annotations
 
 import inspect
 import time
+import warnings
 
 import torch
 
+from .graphs import capture_round
 from .static_cache import DrafterStaticCache, TargetStaticCache
 
 
+def _is_cuda(device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def _is_eos(tokens, eos):
+    """`tokens` `[...]` in the EOS id list `eos` `[n]` (n may be 0): one broadcast compare, shape-static."""
+    return (tokens[..., None] == eos).any(-1)
+
+
+class DecodeState:
+    """Everything a round reads and writes besides the weights: allocated once per (b, k, cap, n_eos) and only
+    ever updated in place, because a captured graph holds these exact addresses. `reset` loads a new prompt's
+    state after its (eager) prefill; positions the last call left in the caches are never visible (see
+    `static_cache.py`: every position below a row's anchor is rewritten by that row's prefill or accepted
+    verifications before any query can see it), so the caches are reused without clearing."""
+
+    def __init__(self, b, k, max_new, n_eos, caches, n_feat, feat_dtype, device):
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.b, self.k, self.max_new, self.cap = b, k, max_new, max_new + k + 1
+        self.cache, self.dcache = caches
+        self.anchor, self.anchor_pos, self.n_out = zeros(b), zeros(b), zeros(b)  # token, its position, emitted
+        self.done = zeros(b, dtype=torch.bool)
+        self.out = zeros(b, self.cap)  # generated tokens; a round addresses slots n_out..n_out+k, hence k+1 spare
+        # accepted drafts per row and round (-1 where the row was already done); an active row emits >= 1 token
+        # a round and starts with 1, so at most max_new - 1 rounds run
+        self.accepted = zeros(b, max(max_new, 1))
+        self.round = zeros()  # device-side round counter, the column of `accepted` to write
+        self.eos = zeros(n_eos)
+        self.carry = zeros(b, k, n_feat, dtype=feat_dtype) if n_feat else None  # last verification's rows 1..k
+        self.carry_valid = zeros(b, k, dtype=torch.bool)
+        self.carry_pos = zeros(b, k)
+
+    def reset(self, anchor, plen, eos):
+        self.anchor.copy_(anchor)
+        self.anchor_pos.copy_(plen)  # position of the first generated token
+        self.out.zero_()
+        self.out[:, 0] = anchor
+        self.n_out.fill_(1)
+        self.eos.copy_(eos)
+        self.done.copy_(_is_eos(anchor, self.eos) | (self.n_out >= self.max_new))
+        self.accepted.fill_(-1)
+        self.round.zero_()
+        if self.carry is not None:  # nothing valid in the first round; any positions do
+            self.carry.zero_()
+            self.carry_valid.zero_()
+            self.carry_pos.copy_(self.anchor_pos[:, None] + torch.arange(1, self.k + 1, device=plen.device))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor a round writes (state and both caches): what capture must snapshot and restore."""
+        own = [self.anchor, self.anchor_pos, self.n_out, self.done, self.out, self.accepted, self.round,
+               self.carry_valid, self.carry_pos] + ([self.carry] if self.carry is not None else [])
+        caches = self.cache.k + self.cache.v
+        if self.dcache is not None:
+            caches += self.dcache.keys + self.dcache.values
+        return own + caches
+
+
 class SpeculativeEngine:
-    def __init__(self, target, drafter=None, max_len: int = 2048, profile: bool = False):
+    def __init__(self, target, drafter=None, max_len: int = 2048, profile: bool = False, cuda_graphs: bool = False):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
-        `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs."""
+        `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
+
+        cuda_graphs=True replays each greedy round as one captured CUDA graph (`graphs.py` lists what was checked
+        for capture safety). It applies to greedy decoding on CUDA without profiling; otherwise the call runs
+        eagerly. `self.last_mode` says how the last `generate()` ran: "eager", "cuda_graph", "eager (no CUDA)",
+        "eager (sampling)", "eager (profile)", "eager (nothing to decode)" or "eager (capture failed: <error>)"
+        (warned once per shape: a failed shape is not captured again)."""
         self.profile = profile
+        self.cuda_graphs = cuda_graphs
+        self.last_mode: str | None = None
         self.timing = {"draft": 0.0, "verify": 0.0, "other": 0.0, "rounds": 0}
         self.target = target.eval()
         self.drafter = drafter.eval() if drafter is not None else None
@@ -37,6 +108,34 @@ class SpeculativeEngine:
         params = inspect.signature(target.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.24
         self.rounds: list[list[int]] = []
+        self._steps: torch.Tensor | None = None  # arange(max_len) on the device, shared by every round
+        self._caches: dict = {}  # b -> (TargetStaticCache, DrafterStaticCache | None)
+        self._states: dict = {}  # (b, k, cap, n_eos) -> DecodeState
+        self._graphs: dict = {}  # (b, k, cap, n_eos) -> CUDAGraph, or the error text of a failed capture
+
+    # ------------------------------------------------------------------ static buffers
+    def _state(self, b, k, max_new, n_eos, dev, dtype) -> DecodeState:
+        """The static state for this shape, allocated on first use; the caches are shared by every state of batch b."""
+        if self._steps is None:
+            self._steps = torch.arange(self.max_len, device=dev)
+        if b not in self._caches:
+            tc = self.target.config.get_text_config()
+            hd = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+            kvh = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
+            cache = TargetStaticCache(tc.num_hidden_layers, b, kvh, self.max_len, hd, dtype, dev)
+            dcache = None
+            if self.drafter is not None:
+                d, dcfg = self.drafter, self.drafter.config
+                dcache = DrafterStaticCache(len(d.layers), b, dcfg.num_key_value_heads, self.max_len, dcfg.head_dim,
+                                            d.fc.weight.dtype, dev)
+            self._caches[b] = (cache, dcache)
+        key = (b, k, max_new + k + 1, n_eos)
+        if key not in self._states:
+            n_feat = 0
+            if self.drafter is not None:  # raw target features: tapped layers concatenated, in the target's dtype
+                n_feat = len(self.drafter.config.target_layer_ids) * self.target.config.get_text_config().hidden_size
+            self._states[key] = DecodeState(b, k, max_new, n_eos, self._caches[b], n_feat, dtype, dev)
+        return self._states[key]
 
     # ------------------------------------------------------------------ target
     def _target_forward(self, cache, tokens, positions):
@@ -52,8 +151,8 @@ class SpeculativeEngine:
         d, cfg = self.drafter, self.drafter.config
         B, b = cfg.block_size, anchor_tok.shape[0]
         block = d.embed_block(anchor_tok[:, None])  # [b, B, d]
-        positions = anchor_pos[:, None] + torch.arange(B, device=anchor_pos.device)
-        ctx = torch.arange(self.max_len, device=anchor_pos.device)[None] < anchor_pos[:, None]  # [b, max_len]
+        positions = anchor_pos[:, None] + self._steps[:B]
+        ctx = self._steps[None] < anchor_pos[:, None]  # [b, max_len]
         mask = torch.cat([ctx, carry_valid, torch.ones(b, B, dtype=torch.bool, device=ctx.device)], 1)
         hidden = d(block, positions, cache=dcache, carryover_features=carry, carryover_positions=carry_pos,
                    attn_mask=mask[:, None, None, :])
@@ -80,6 +179,7 @@ class SpeculativeEngine:
             a = torch.cumprod((drafts == choice[:, :k]).long(), 1).sum(1)
             return a, choice.gather(1, a[:, None])[:, 0]
         p = (logits / temperature).softmax(-1)  # [b, k+1, V]
+        q = p[:, :0] if q is None else q  # plain AR: no drafts, [b, 0, V], so the bonus slot samples p itself
         pd = p[:, :k].gather(2, drafts[..., None])[..., 0]
         qd = q.gather(2, drafts[..., None])[..., 0]
         u = torch.rand(b, k, generator=gen, device=drafts.device)
@@ -87,11 +187,57 @@ class SpeculativeEngine:
         a = torch.cumprod(ok.long(), 1).sum(1)
         rows = torch.arange(b, device=drafts.device)
         p_a = p[rows, a]  # target distribution at the first rejected (or bonus) slot
-        q_a = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[rows, a]  # bonus slot: residual is p itself
+        q_a = torch.cat([q, torch.zeros_like(p[:, :1])], 1)[rows, a]  # bonus slot: residual is p itself
         resid = (p_a - q_a).clamp(min=0)
         resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_a)
         nxt = torch.multinomial(resid / resid.sum(-1, keepdim=True), 1, generator=gen)[:, 0]
         return a, nxt
+
+    # ------------------------------------------------------------------ one round
+    def _round(self, st: DecodeState, do_sample=False, temperature=1.0, gen=None, clock=None):
+        """One round for all rows: reads `st`, writes it (and the caches) in place. No host sync, no Python
+        branch on tensor values, no shape that depends on the prompt: eager and captured rounds are the same code."""
+        clock = clock or _Clock(False, None, None)
+        k, steps = st.k, self._steps
+        clock.start()
+        if self.drafter is not None:
+            on = self.drafter.config.carryover
+            drafts, q = self._draft(st.dcache, st.anchor, st.anchor_pos, st.carry if on else None, st.carry_pos,
+                                    st.carry_valid if on else st.carry_valid[:, :0], gen, temperature, do_sample)
+        else:
+            drafts, q = st.anchor[:, None][:, :0], None  # [b, 0]: plain autoregressive decoding
+        clock.lap("draft")
+        block = torch.cat([st.anchor[:, None], drafts], 1)  # [b, k+1]
+        bpos = st.anchor_pos[:, None] + steps[: k + 1]
+        logits, feats = self._target_forward(st.cache, block, bpos)
+        clock.lap("verify")
+        a, nxt = self._accept(drafts, q, logits, do_sample, temperature, gen)
+        done, n_out = st.done, st.n_out  # this round's inputs; the new values are copied in at the end
+        if self.drafter is not None:
+            st.dcache.write(self.drafter, self.drafter.fuse(feats), bpos)
+            st.carry.copy_(feats[:, 1:])
+            st.carry_valid.copy_((steps[1 : k + 1][None] > a[:, None]) & ~done[:, None])
+            st.carry_pos.copy_(bpos[:, 1:])
+        emitted = torch.cat([drafts, torch.zeros_like(nxt)[:, None]], 1)
+        emitted.scatter_(1, a[:, None], nxt[:, None])  # accepted drafts, then the correction/bonus
+        # keep the first a+1 tokens, within the length budget, up to and including the first EOS
+        idx = steps[None, : k + 1]
+        keep = (idx <= a[:, None]) & (idx < (st.max_new - n_out)[:, None]) & ~done[:, None]
+        is_eos = _is_eos(emitted, st.eos) & keep
+        first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1), torch.full_like(a, k + 1))
+        keep &= idx <= first_eos[:, None]
+        slots = (n_out[:, None] + idx).clamp(max=st.cap - 1)
+        st.out.scatter_(1, slots, torch.where(keep, emitted, st.out.gather(1, slots)))
+        col = st.round.clamp(max=st.accepted.shape[1] - 1).expand(st.b, 1)  # [b, 1]: this round's column
+        st.accepted.scatter_(1, col, torch.where(done, torch.full_like(a, -1), a)[:, None])
+        st.round.add_(1)
+        new_n_out = n_out + keep.sum(1)
+        new_done = done | (new_n_out >= st.max_new) | is_eos.any(1)
+        st.anchor_pos.copy_(torch.where(new_done, st.anchor_pos, st.anchor_pos + a + 1))
+        st.anchor.copy_(torch.where(new_done, st.anchor, nxt))
+        st.n_out.copy_(new_n_out)
+        st.done.copy_(new_done)
+        clock.lap("other")
 
     # ------------------------------------------------------------------ loop
     @torch.no_grad()
@@ -110,84 +256,63 @@ class SpeculativeEngine:
         eos = torch.tensor([] if eos_token_id is None else
                            ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)),
                            dtype=torch.long, device=dev)
-        tc = t.config.get_text_config()
-        hd = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-        kvh = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
-        cache = TargetStaticCache(tc.num_hidden_layers, b, kvh, self.max_len, hd, dtype, dev)
+        st = self._state(b, k, max_new_tokens, eos.numel(), dev, dtype)
 
-        # prefill: prompts left-aligned at position 0; positions past a row's prompt hold padding for now
+        # prefill (eager: its width depends on the prompts): prompts left-aligned at position 0; positions past
+        # a row's prompt hold padding for now, overwritten by that row's rounds before any query can see them
         width = int(plen.max())
         toks = torch.zeros(b, width, dtype=torch.long, device=dev)
         for r, p in enumerate(prompts):
             toks[r, : len(p)] = torch.tensor(p, device=dev)
-        pos = torch.arange(width, device=dev)[None].expand(b, -1)
-        logits, feats = self._target_forward(cache, toks, pos)
+        pos = self._steps[:width][None].expand(b, -1)
+        logits, feats = self._target_forward(st.cache, toks, pos)
         last = logits[torch.arange(b, device=dev), plen - 1]
         if do_sample:
             anchor = torch.multinomial((last / temperature).softmax(-1), 1, generator=gen)[:, 0]
         else:
             anchor = last.argmax(-1)
-        anchor_pos = plen.clone()  # position of the first generated token
-        cap = max_new_tokens + k + 1
-        out = torch.zeros(b, cap, dtype=torch.long, device=dev)  # generated tokens, device-side
-        out[:, 0] = anchor
-        n_out = torch.ones(b, dtype=torch.long, device=dev)
-        done = torch.isin(anchor, eos) | (n_out >= max_new_tokens)
-        accepted_log = []  # per round: accepted drafts per row, -1 where the row was already done
-
         if self.drafter is not None:
-            d = self.drafter
-            dcfg = d.config
-            dcache = DrafterStaticCache(len(d.layers), b, dcfg.num_key_value_heads, self.max_len, dcfg.head_dim,
-                                        d.fc.weight.dtype, dev)
-            dcache.write(d, d.fuse(feats), pos)
-            n_feat = feats.shape[-1]
-            carry = torch.zeros(b, k, n_feat, dtype=feats.dtype, device=dev)
-            carry_valid = torch.zeros(b, k, dtype=torch.bool, device=dev)
-            j = torch.arange(1, k + 1, device=dev)
-            carry_pos = anchor_pos[:, None] + j  # nothing valid in the first round; any positions do
+            st.dcache.write(self.drafter, self.drafter.fuse(feats), pos)
+        st.reset(anchor, plen, eos)
 
-        clock = _Clock(self.profile, dev, self.timing)
-        while not bool(done.all()):  # the one host sync per round (outputs stay on the device)
-            clock.start()
-            if self.drafter is not None:
-                drafts, q = self._draft(dcache, anchor, anchor_pos, carry if dcfg.carryover else None,
-                                        carry_pos, carry_valid if dcfg.carryover else carry_valid[:, :0],
-                                        gen, temperature, do_sample)
-            else:
-                drafts = torch.zeros(b, 0, dtype=torch.long, device=dev)
-                q = None
-            clock.lap("draft")
-            block = torch.cat([anchor[:, None], drafts], 1)  # [b, k+1]
-            bpos = anchor_pos[:, None] + torch.arange(k + 1, device=dev)
-            logits, feats = self._target_forward(cache, block, bpos)
-            clock.lap("verify")
-            a, nxt = self._accept(drafts, q, logits, do_sample, temperature, gen)
-            if self.drafter is not None:
-                dcache.write(d, d.fuse(feats), bpos)
-                carry = feats[:, 1:]
-                carry_valid = (j[None] > a[:, None]) & ~done[:, None]
-                carry_pos = bpos[:, 1:]
-            emitted = torch.cat([drafts, torch.zeros_like(nxt)[:, None]], 1)
-            emitted.scatter_(1, a[:, None], nxt[:, None])  # accepted drafts, then the correction/bonus
-            # keep the first a+1 tokens, within the length budget, up to and including the first EOS
-            idx = torch.arange(k + 1, device=dev)[None]
-            keep = (idx <= a[:, None]) & (idx < (max_new_tokens - n_out)[:, None]) & ~done[:, None]
-            is_eos = torch.isin(emitted, eos) & keep
-            first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1), torch.full_like(a, k + 1))
-            keep &= idx <= first_eos[:, None]
-            slots = (n_out[:, None] + idx).clamp(max=cap - 1)
-            out.scatter_(1, slots, torch.where(keep, emitted, out.gather(1, slots)))
-            n_out = n_out + keep.sum(1)
-            accepted_log.append(torch.where(done, torch.full_like(a, -1), a))
-            done = done | (n_out >= max_new_tokens) | is_eos.any(1)
-            anchor = torch.where(done, anchor, nxt)
-            anchor_pos = torch.where(done, anchor_pos, anchor_pos + a + 1)
-            clock.lap("other")
-        log = torch.stack(accepted_log, 1).tolist() if accepted_log else [[] for _ in range(b)]
+        graph, self.last_mode = self._graph(st, dev, do_sample)
+        if graph is not None:
+            while not bool(st.done.all()):  # the one host sync per round
+                graph.replay()
+        else:
+            clock = _Clock(self.profile, dev, self.timing)
+            while not bool(st.done.all()):  # the one host sync per round (outputs stay on the device)
+                self._round(st, do_sample, temperature, gen, clock)
+        log = st.accepted[:, : int(st.round)].tolist()
         self.rounds = [[x for x in row if x >= 0] for row in log]
-        n_out = n_out.tolist()
-        return [row[:n] for row, n in zip(out.tolist(), n_out)]
+        n_out = st.n_out.tolist()
+        return [row[:n] for row, n in zip(st.out.tolist(), n_out)]
+
+    def _graph(self, st: DecodeState, dev, do_sample):
+        """(captured round or None, mode string). Captures on the first call for this shape; a failed capture is
+        remembered (and warned about once), and that shape then decodes eagerly, never with a broken graph."""
+        if not self.cuda_graphs:
+            return None, "eager"
+        if not _is_cuda(dev):
+            return None, "eager (no CUDA)"
+        if do_sample:  # per-call Generator state under graphs: see graphs.py
+            return None, "eager (sampling)"
+        if self.profile:  # phase timing needs syncs inside the round
+            return None, "eager (profile)"
+        key = (st.b, st.k, st.cap, st.eos.numel())
+        if key not in self._graphs:
+            if bool(st.done.all()):  # nothing to decode: do not capture on a finished state
+                return None, "eager (nothing to decode)"
+            try:
+                self._graphs[key] = capture_round(lambda: self._round(st), st.tensors())
+            except Exception as e:  # noqa: BLE001  (any capture error: decode eagerly instead)
+                self._graphs[key] = f"{type(e).__name__}: {e}"
+                warnings.warn(f"CUDA-graph capture failed for batch {st.b}; decoding eagerly: {self._graphs[key]}",
+                              stacklevel=2)
+        entry = self._graphs[key]
+        if isinstance(entry, str):
+            return None, f"eager (capture failed: {entry})"
+        return entry, "cuda_graph"
 
     @property
     def tau(self) -> float:

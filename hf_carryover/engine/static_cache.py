@@ -4,6 +4,12 @@ Both caches store row r's key/value for absolute position p at index p. Nothing 
 draft's K/V stays where it was written, invisible because attention masks by position (a query at position q
 sees keys at positions <= q for the target, < anchor for the drafter), and the next verification overwrites
 it. Rollback is therefore free, and every round has the same shapes (what CUDA graphs need).
+
+The same argument lets the engine reuse both caches across `generate()` calls without clearing them: a
+query only ever sees positions below its row's anchor (committed: written by this call's prefill or accepted
+verifications) and the block it is verifying (written in the same forward, before attention), so whatever an
+earlier prompt left at higher positions is masked out until this call overwrites it. (A masked key adds an
+exact zero only while its K/V are finite; rejected drafts within one call rely on the same property.)
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ class TargetStaticCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.positions: torch.Tensor | None = None
         self.max_len = max_len
+        self._keys = torch.arange(max_len, device=device)  # key positions, made once (no per-round arange)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # [b, n] -> [b, kv_heads, n, head_dim] index for scatter along the position axis
@@ -44,8 +51,7 @@ class TargetStaticCache:
 
     def causal_mask(self, positions: torch.Tensor) -> torch.Tensor:
         """`[b, 1, n, max_len]` bool: query at position q sees keys at positions <= q."""
-        keys = torch.arange(self.max_len, device=positions.device)
-        return keys[None, None, None, :] <= positions[:, None, :, None]
+        return self._keys[None, None, None, :] <= positions[:, None, :, None]
 
 
 class DrafterStaticCache:

@@ -1,0 +1,84 @@
+"""CUDA-graph capture of one engine round (greedy decoding only).
+
+`SpeculativeEngine._round` reads and writes only static tensors (`DecodeState` plus both caches) in place, so a
+`torch.cuda.CUDAGraph` recorded once replays a whole round (draft + verify + accept + state update) for every
+later round and every later prompt with the same (b, k, output capacity, number of EOS ids). The prefill stays
+eager: its shape depends on the prompt width, and it only writes into the same static tensors.
+
+Why greedy only: sampling draws from a per-call `torch.Generator`. Capturing its random ops needs the
+generator registered with the graph (`CUDAGraph.register_generator_state`), after which every replay advances
+its Philox offset on the device; whether that stream then equals eager decoding's for the same `seed` is not
+something this code checks, so `do_sample=True` stays eager (the engine reports it in `last_mode`).
+
+What was checked about the round's calls, by reading the installed transformers 5.24 sources (and, for ATen
+ops, public copies of PyTorch's C++ source: the installed torch 2.13 wheel ships binaries only):
+  * `masking_utils.create_causal_mask` -> `_preprocess_mask_arguments` returns a 4D tensor mask as-is (early
+    exit, before any `find_packed_sequence_indices`, whose `.all()` would sync); our `TargetStaticCache` is not a
+    `Cache` subclass, so `find_first_full_attention_index` returns 0 without looking at tensors.
+  * `integrations/sdpa_attention.py`: every branch is on shapes, flags or module attributes (`q_length`,
+    `attention_mask is None`, `num_key_value_groups`): with our mask it takes `repeat_kv` (k+1 > 1 queries) or
+    `pack_gqa` (1 query, plain AR), never `is_causal`, and it never reads mask values.
+  * `LlamaModel.forward`, the decoder layer, `capture_outputs` (hidden states are gathered by Python hooks) and
+    `merge_with_config_defaults`: no tensor-valued conditions; `position_ids` are passed, so no
+    `cache.get_seq_length()` arange.
+  * `LlamaRotaryEmbedding` / `Qwen3RotaryEmbedding` with rope_type "default": pure ops. `dynamic_rope_update`
+    compares `torch.max(position_ids) + 1` with a Python int for "dynamic" and "longrope" RoPE: a host sync,
+    so such targets fail capture (and then decode eagerly, see below).
+  * `torch.isin` switches to a sort-based path when the EOS list is long relative to the input (numpy's
+    heuristic in ATen); the round uses a broadcast comparison instead, one fixed kernel.
+  * The drafter (`modeling_drafter.py`) branches only on shapes and config; `DrafterStaticCache.length` is a
+    Python int. Its GQA head repeat uses expand + reshape: `repeat_interleave` with an int count builds an index
+    tensor, and some ATen versions check its values with `.item()` (a sync) before the kernel.
+  * Position ranges come from one `arange` made per engine (`SpeculativeEngine._steps`) or per cache; factory
+    ops with Python-scalar arguments and allocations would be capturable anyway (the graph's private pool).
+What could still break capture or replay (unverified here, no GPU): SDPA kernel selection with a boolean mask
+(memory-efficient or cuDNN attention) is made on shapes and dtypes, but a backend that inspects mask values,
+or a cuDNN graph that allocates workspace lazily, would fail capture; attention implementations other than
+"sdpa" (flash_attention_2 requires no 4D mask, flex builds a BlockMask) are not covered; models whose forward
+syncs (MoE routing with `.tolist()`, dynamic RoPE) cannot be captured. A capture error falls back to eager
+decoding for that call with a warning; a graph that captured a silent value-dependent branch would replay it
+wrongly, which is why `trainer/gpu_engine_check.py` compares graph output with eager output token for token.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+
+@contextmanager
+def restored(tensors: list[torch.Tensor]):
+    """Clone `tensors` on entry and copy the clones back on exit (also after an error): whatever runs inside
+    leaves no trace in them."""
+    saved = [t.clone() for t in tensors]
+    try:
+        yield
+    finally:
+        for t, s in zip(tensors, saved):
+            t.copy_(s)
+
+
+def capture_round(round_fn, tensors: list[torch.Tensor], warmup: int = 3) -> torch.cuda.CUDAGraph:
+    """Record `round_fn()` into a CUDA graph, leaving every tensor in `tensors` exactly as it was.
+
+    As PyTorch's CUDA-graph notes ask, the function first runs a few times on a side stream (lazy
+    initialisation, cuBLAS workspaces, autotuning) before capture. Those warm-up rounds really decode, so the
+    state and the caches are cloned first and copied back afterwards: warm-up and capture never change the
+    decoding result. (Strictly, the caches would not need it — rounds write only at positions >= each row's
+    anchor, and restoring the anchors hides those writes again — but a full restore does not rely on that.)
+    """
+    with restored(tensors):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                round_fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            round_fn()
+    return graph
+
+
+__all__ = ["capture_round", "restored"]

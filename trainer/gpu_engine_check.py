@@ -1,0 +1,139 @@
+"""GPU self-check of the engine's CUDA-graph path on a SmolLM2-shaped *random* target (no weights needed).
+
+    python trainer/gpu_engine_check.py --out $OUT/gpu_engine_check.json
+    python trainer/gpu_engine_check.py --device cpu --tiny --out /tmp/engine_check.json   # plumbing only
+
+For plain AR (no drafter) and a random DFlash drafter with Carryover, at batch 1 and 4:
+  * fp32: `SpeculativeEngine(cuda_graphs=True)` gives the eager engine's tokens and rounds, token for token, on
+    two prompt sets of different lengths (the second call must reuse the first call's graph: `graphs` is 1);
+  * bf16: tokens/s of the eager and the graph engine (warm-up call excluded, CUDA-synchronised wall time).
+Every row records `mode` (`engine.last_mode`: "cuda_graph", or why it ran eagerly). Rows are written to --out as
+soon as they are known; a failing row records its error instead of stopping the script. On CPU the graph
+engine runs eagerly ("eager (no CUDA)"), so only the plumbing is checked there.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_check import smollm2_shaped  # noqa: E402
+
+from hf_carryover import Drafter  # noqa: E402
+from hf_carryover.engine.engine import SpeculativeEngine  # noqa: E402
+
+TINY = dict(vocab_size=128, hidden_size=48, intermediate_size=96, num_hidden_layers=6, num_attention_heads=3,
+            num_key_value_heads=1, head_dim=16)  # SmolLM2's 3:1 GQA, a few layers
+
+
+def prompt_sets(b, vocab, seed):
+    """Two batches of b random prompts (5..74 tokens) whose lengths differ: the graph must not depend on them."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = ([(23 + 17 * i) % 60 + 5 for i in range(b)], [(12 + 29 * i) % 70 + 3 for i in range(b)])
+    return [[torch.randint(3, vocab - 1, (n,), generator=g).tolist() for n in lens] for lens in lengths]
+
+
+def first_diff(ref, out):
+    """(row, index) of the first token where two batches of outputs differ, or None."""
+    for r, (x, y) in enumerate(zip(ref, out)):
+        j = next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), None if len(x) == len(y) else min(len(x), len(y)))
+        if j is not None:
+            return [r, j]
+    return None
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="a tiny target and short runs (CPU smoke test)")
+    p.add_argument("--batch_sizes", nargs="+", type=int, default=[1, 4])
+    p.add_argument("--max_new_tokens", type=int, default=None, help="default 128 (16 with --tiny)")
+    p.add_argument("--reps", type=int, default=3, help="timed generate() calls per measurement")
+    args = p.parse_args()
+    max_new = args.max_new_tokens or (16 if args.tiny else 128)
+    shape = TINY if args.tiny else {}
+    res = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else args.device,
+           "torch": torch.__version__, "transformers": transformers.__version__,
+           "commit": os.environ.get("HF_CARRYOVER_COMMIT", "unknown"), "tiny": args.tiny,
+           "max_new_tokens": max_new, "rows": []}
+
+    def record(row):
+        res["rows"].append(row)
+        Path(args.out).write_text(json.dumps(res, indent=2))
+        print(json.dumps(row), flush=True)
+
+    def engines(target, kind):
+        drafter = None
+        if kind == "dflash":  # seeded, so the fp32 and bf16 drafters share weights up to rounding
+            torch.manual_seed(1)
+            drafter = Drafter.from_target(target, drafter_type="dflash", carryover=True, num_hidden_layers=3,
+                                          mask_token_id=16).to(args.device).eval()
+        max_len = 80 + max_new + 2 * 16
+        return (SpeculativeEngine(target, drafter, max_len=max_len),
+                SpeculativeEngine(target, drafter, max_len=max_len, cuda_graphs=True))
+
+    for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        try:
+            target = smollm2_shaped(dtype, args.device, **shape)
+        except Exception as e:  # noqa: BLE001  (record, keep going)
+            record({"dtype": dtype_name, "error": repr(e)[:500]})
+            continue
+        eos = target.config.eos_token_id
+        for kind in ("ar", "dflash"):
+            for b in args.batch_sizes:
+                row = {"dtype": dtype_name, "method": kind, "batch": b}
+                try:
+                    eager, graph = engines(target, kind)
+                    sets = prompt_sets(b, target.config.vocab_size, seed=b)
+                    if dtype_name == "fp32":  # exactness: both prompt sets, tokens and rounds
+                        mismatches = []
+                        for i, prompts in enumerate(sets):
+                            ref = eager.generate(prompts, max_new_tokens=max_new, eos_token_id=eos)
+                            out = graph.generate(prompts, max_new_tokens=max_new, eos_token_id=eos)
+                            if out != ref or graph.rounds != eager.rounds:
+                                mismatches.append({"set": i, "first_diff_at": first_diff(ref, out),
+                                                   "rounds_equal": graph.rounds == eager.rounds})
+                        row.update(exact=not mismatches, mismatches=mismatches, mode=graph.last_mode,
+                                   graphs=len(graph._graphs), tau=eager.tau if kind == "dflash" else None)
+                    else:  # speed: warm-up call (captures the graph), then timed calls over both prompt sets
+                        first = {}
+                        for name, engine in (("eager", eager), ("graph", graph)):
+                            first[name] = engine.generate(sets[0], max_new_tokens=max_new, eos_token_id=eos)
+                            n_tok = 0
+                            sync(args.device)
+                            t0 = time.perf_counter()
+                            for r in range(args.reps):
+                                out = engine.generate(sets[r % 2], max_new_tokens=max_new, eos_token_id=eos)
+                                n_tok += sum(len(o) for o in out)
+                            sync(args.device)
+                            row[f"{name}_tok_per_s"] = n_tok / (time.perf_counter() - t0)
+                            row[f"{name}_mode"] = engine.last_mode
+                        row["speedup"] = row["graph_tok_per_s"] / row["eager_tok_per_s"]
+                        row["same_tokens"] = first["eager"] == first["graph"]  # informative: bf16 near-ties
+                except Exception as e:  # noqa: BLE001  (record, keep going)
+                    row["error"] = repr(e)[:500]
+                record(row)
+        del target
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    rows = res["rows"]
+    res["all_exact"] = bool(rows) and all(r.get("exact", True) and "error" not in r for r in rows)
+    res["graphs_used"] = bool(rows) and all(r.get("mode", r.get("graph_mode")) == "cuda_graph" for r in rows)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    print(f"all_exact={res['all_exact']} graphs_used={res['graphs_used']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
