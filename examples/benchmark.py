@@ -67,18 +67,37 @@ def load_target(name, dtype, device):
 
 
 def run_hf(target, prompts, max_new, **kw):
+    """generate() one prompt at a time. τ: from our generator's recorded rounds (hf_spec), or, for loops that
+    record nothing (transformers' own DFlash path), from the number of target forwards: every forward after
+    the prefill is one verification round, so τ = (new tokens - 1) / (forwards - 1) (the prefill's token
+    excluded, as in our rounds; a round cut by max_new_tokens counts its emitted tokens only)."""
     n_tok, secs, taus = 0, 0.0, []
     drafter = kw.get("assistant_model")
-    for p in prompts:
-        x = torch.tensor([p], device=target.device)
-        y, dt = _timed(lambda: target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
-                                               do_sample=False, **kw))
-        n_tok += y.shape[1] - x.shape[1]
-        secs += dt
-        if drafter is not None:
-            taus += [r["accepted"] + 1 for r in drafter.last_candidate_generator.rounds]
-    return {"tokens": n_tok, "seconds": secs, "tok_per_s": n_tok / secs,
-            "tau": sum(taus) / len(taus) if taus else None}
+    own_loop = kw.get("speculation_type") is not None
+    calls = [0]
+    hook = target.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) if own_loop else None
+    fwd_tokens = fwd_rounds = 0
+    try:
+        for p in prompts:
+            x = torch.tensor([p], device=target.device)
+            if drafter is not None:
+                drafter.last_candidate_generator = None  # never read a previous method's rounds
+            calls[0] = 0
+            y, dt = _timed(lambda: target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
+                                                   do_sample=False, **kw))
+            new = y.shape[1] - x.shape[1]
+            n_tok += new
+            secs += dt
+            if own_loop:
+                fwd_tokens, fwd_rounds = fwd_tokens + new - 1, fwd_rounds + calls[0] - 1
+            elif drafter is not None:
+                taus += [r["accepted"] + 1 for r in drafter.last_candidate_generator.rounds]
+    finally:
+        if hook is not None:
+            hook.remove()
+    tau = sum(taus) / len(taus) if taus else (fwd_tokens / fwd_rounds if fwd_rounds > 0 else None)
+    return {"tokens": n_tok, "seconds": secs, "tok_per_s": n_tok / secs, "tau": tau,
+            **({"tau_from": "target forward count"} if own_loop else {})}
 
 
 def run_engine(target, drafter, prompts, max_new, batch, eos, profile=False, cuda_graphs=False):

@@ -158,14 +158,18 @@ def environment():
     import torch
     import transformers
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = None
-    if not commit or len(commit) != 40:  # a copied tree without history (the GPU machine) prints "HEAD"
-        commit = None
+    # HF_CARRYOVER_COMMIT first: the GPU machine's copy of the tree can carry a stale .git (on 2026-11-29 its
+    # `git rev-parse HEAD` named an older commit than the code that ran)
+    commit = os.environ.get("HF_CARRYOVER_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        except OSError:
+            commit = None
+        if not commit or len(commit) != 40:  # a copied tree without history prints "HEAD"
+            commit = None
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
-    return {"commit": commit or os.environ.get("HF_CARRYOVER_COMMIT"), "gpu": gpu, "torch": torch.__version__,
+    return {"commit": commit, "gpu": gpu, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version()}
 
 

@@ -1,6 +1,6 @@
 """Per-position acceptance of drafters from `examples/evaluate_tau.py` summaries, as a PNG.
 
-    python examples/plot_acceptance.py RUN/tau0/summary.json --out examples/results/RUN/acceptance.png \
+    python examples/plot_acceptance.py RUN/tau0/summary.json [more summaries ...] --out examples/results/RUN/acceptance.png \
         [--temperature 0] [--drafters dflash-baseline dflash-carryover]
 
 One panel per dataset; a line per drafter: P(a round accepts at least j drafts), j = 1..B, pooled over the
@@ -14,7 +14,7 @@ from pathlib import Path
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("summary")
+    p.add_argument("summary", nargs="+", help="summary.json files of examples/evaluate_tau.py (rows are pooled)")
     p.add_argument("--out", required=True)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--drafters", nargs="*")
@@ -25,8 +25,9 @@ def main():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summary = json.loads(Path(args.summary).read_text())
-    rows = [r for r in summary["results"].values() if r["temperature"] == args.temperature
+    summaries = [json.loads(Path(f).read_text()) for f in args.summary]
+    summary = summaries[0]
+    rows = [r for s in summaries for r in s["results"].values() if r["temperature"] == args.temperature
             and (not args.drafters or r["drafter"] in args.drafters)]
     if not rows:
         raise SystemExit(f"No rows at T={args.temperature} for {args.drafters or 'any drafter'} in {args.summary}.")
@@ -35,10 +36,11 @@ def main():
     for ax, dataset in zip(axes[0], datasets):
         for r in sorted((r for r in rows if r["dataset"] == dataset), key=lambda r: r["drafter"]):
             curve = r["p_accept_at_least"]
-            ax.plot(range(1, len(curve) + 1), curve, marker="o", ms=3,
+            ax.plot(range(1, len(curve) + 1), [max(c, 1e-4) for c in curve], marker="o", ms=3,
                     label=f"{r['drafter']} (τ {r['tau']:.2f}, {r['prompts']} prompts)")
         ax.set_title(dataset)
         ax.set_xlabel("draft position j")
+        ax.set_yscale("log")
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

@@ -8,7 +8,11 @@
 #           checkpoint: baseline (stage-1 objective) and Carryover; returns the DFlash pair
 #   eval    GPU 0: τ of the four drafters (T=0 exact offline replay, T=0/1 batched engine, a time-boxed T=1
 #           generate() cross-check); GPU 1: examples/benchmark.py
+#   tau     τ of the four drafters, T=0 and T=1, batched engine in fp32 (one pair per GPU; ~4 min)
 #   fetch   returns the checkpoint parts still queued (4 x 15 MB a call)
+# Run of 2026-11-29 (examples/results/h200-2026-11-29b/): stash, train1, stage2 (S2_STEPS=300), eval (its τ steps
+# ran out of time: the fp32 offline replay takes ~100 s per drafter and dataset with these weak drafters),
+# fetch, fetch, tau (the same command typed inline), and a benchmark typed inline (see that folder's README).
 # Checkpoints: stage2 packs all four drafters in bf16 and queues them as tar parts (DFlash pair first); each call
 # ships the oldest 4 parts.
 # Every figure goes to $OUT as soon as it exists; checkpoints come back as tar parts of 15 MB (16 MB a file,
@@ -94,7 +98,7 @@ stage2)
     typ=${TYPES[$i]}
     # equal steps for the pair, sized from stage 1's measured s/step: a Carryover step costs ~2 stage-1 steps,
     # the pair time-slices one GPU, so N steps of both take ~3 N s1 (0.8 margin, 45 s for load/eval)
-    N=${S2_STEPS:-$(python3 -c "import json,sys; s=[e['seconds_per_step'] for e in json.load(open(sys.argv[1])) if 'seconds_per_step' in e]; print(int(0.8*(${S2_MINUTES}*60-45)/(3*s[0])) if s else 800)" $A/runs/$typ-stage1/final/train_log.json)}
+    N=${S2_STEPS:-$(python3 -c "import json,sys; s=[e['seconds_per_step'] for e in json.load(open(sys.argv[1])) if 'seconds_per_step' in e]; print(int(0.8*(${S2_MINUTES}*60-45)/(3*s[-1])) if s else 800)" $A/runs/$typ-stage1/final/train_log.json)}
     log "$typ stage 2: $N steps each"
     CUDA_VISIBLE_DEVICES=$i python3 trainer/train.py --config trainer/configs/smollm2_stage2.json \
       --init_from $A/runs/$typ-stage1/final --data_dir $A/data/train --eval_data_dir $A/data/eval \
@@ -155,6 +159,22 @@ eval)
   log "tau done"
   wait
   log "eval done"
+  ;;
+tau)  # τ of the four drafters at T=0 and T=1 through the batched engine (fp32), one drafter pair per GPU.
+  # The engine's greedy rounds equal generate()'s (tested, all but possibly each prompt's last) and the offline
+  # replay's (checked on the H200: 1.373 both, DFlash baseline, MT-Bench); ~4 minutes for 4 x 344 prompts x 2 T.
+  i=0
+  for t in "${TYPES[@]}"; do
+    CUDA_VISIBLE_DEVICES=$i timeout ${TAU_SECONDS:-250} python3 examples/evaluate_tau.py --prompts_dir $A/prompts \
+      --dtype float32 --engine --engine_batch 128 --drafters $t-baseline=$A/runs/$t-baseline/final \
+      $t-carryover=$A/runs/$t-carryover/final --datasets mtbench humaneval sharegpt --temperatures 0 1 \
+      ${TAU_EXTRA:-} --out $R/tau_engine_$t > $R/tau_engine_$t.log 2>&1 &
+    i=$((i+1))
+  done
+  wait
+  for t in "${TYPES[@]}"; do
+    python3 examples/evaluate_tau.py --drafters $t-baseline=x $t-carryover=y --out $R/tau_engine_$t --summarize_only | tail -6
+  done
   ;;
 fetch)  # the parts still queued, 4 a call
   ship

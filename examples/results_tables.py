@@ -1,0 +1,71 @@
+"""Markdown tables for a results folder: τ per drafter/dataset/temperature with the Carryover gain over its
+own baseline (from `examples/evaluate_tau.py` summaries) and speed rows (from `examples/benchmark.py`'s
+`bench_raw.jsonl` files). The README tables are this script's output, so every number traces to a file.
+
+    python examples/results_tables.py --tau R/tau_engine_dflash.json R/tau_engine_markov.json \
+        --bench R/bench_graphs_3prompts_humaneval.jsonl R/bench_graphs_3prompts_mtbench.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def tau_table(paths) -> str:
+    rows = {}
+    for p in paths:
+        for r in json.loads(Path(p).read_text())["results"].values():
+            rows[(r["drafter"], r["dataset"], r["temperature"])] = r
+    datasets = sorted({d for _, d, _ in rows})
+    temps = sorted({t for _, _, t in rows})
+    drafters = sorted({n for n, _, _ in rows})
+    out = []
+    for t in temps:
+        out += [f"**T = {t:g}** (τ = mean tokens per target forward in draft rounds; prompts per dataset in brackets)", "",
+                "| drafter | " + " | ".join(f"{d} ({rows.get((drafters[0], d, t), {}).get('prompts', '?')})"
+                                            for d in datasets) + " | mean |",
+                "|---|" + "---|" * (len(datasets) + 1)]
+        for n in drafters:
+            vals = [rows[(n, d, t)]["tau"] if (n, d, t) in rows else None for d in datasets]
+            got = [v for v in vals if v is not None]
+            mean = sum(got) / len(got) if got else None
+            cells = [f"{v:.3f}" if v is not None else "–" for v in vals] + [f"{mean:.3f}" if mean else "–"]
+            if n.endswith("-carryover") and all((n.replace("-carryover", "-baseline"), d, t) in rows for d in datasets):
+                base = [rows[(n.replace("-carryover", "-baseline"), d, t)]["tau"] for d in datasets]
+                gains = [v / b - 1 for v, b in zip(vals, base)]
+                cells = [f"{c} ({g:+.1%})" for c, g in zip(cells[:-1], gains)] + [
+                    f"{cells[-1]} ({mean / (sum(base) / len(base)) - 1:+.1%})"]
+            out.append(f"| {n} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def bench_table(paths) -> str:
+    recs = [json.loads(line) for p in paths for line in Path(p).read_text().splitlines() if line.strip()]
+    out = ["| dataset | method | prompts | tok/s | τ | engine mode | × hf_eager | × engine_ar@1 |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in recs:
+        ref = {m: next((x for x in recs if x["method"] == m and x["dataset"] == r["dataset"]), None)
+               for m in ("hf_eager", "engine_ar@1")}
+        sp = [f"{r['tok_per_s'] / ref[m]['tok_per_s']:.2f}" if ref[m] else "–" for m in ("hf_eager", "engine_ar@1")]
+        tau = f"{r['tau']:.3f}" if r.get("tau") else "–"
+        out.append(f"| {r['dataset']} | {r['method']} | {r['prompts']} | {r['tok_per_s']:.1f} | {tau} | "
+                   f"{r.get('mode', '–')} | {sp[0]} | {sp[1]} |")
+    return "\n".join(out)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tau", nargs="*", default=[])
+    p.add_argument("--bench", nargs="*", default=[])
+    args = p.parse_args()
+    if args.tau:
+        print(tau_table(args.tau))
+    if args.bench:
+        print(bench_table(args.bench))
+
+
+if __name__ == "__main__":
+    main()
