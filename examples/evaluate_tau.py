@@ -135,9 +135,9 @@ def engine_mode(args):
     out = open(Path(args.out) / "raw-engine.jsonl", "a")
     for temp in args.temperatures:  # drafters innermost: a time-boxed run still compares all of them
         for dataset in args.datasets:
+            rows = load_prompts(args.prompts_dir, dataset, args.limit)
+            width = max(len(r["input_ids"]) for r in rows)
             for name, drafter in drafters.items():
-                rows = load_prompts(args.prompts_dir, dataset, args.limit)
-                width = max(len(r["input_ids"]) for r in rows)
                 engine = SpeculativeEngine(target, drafter, max_len=width + args.max_new_tokens + 2 * drafter.config.block_size)
                 for i in range(0, len(rows), args.engine_batch):
                     chunk = rows[i : i + args.engine_batch]

@@ -53,6 +53,10 @@ join_gguf() {  # the reference GGUF from stash's half and the carried .device/p2
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 }
 
+last_fit() {  # the last LR-schedule fit in a train_log.json (indented JSON, so grep cannot read it): "steps s/step"
+  python3 -c "import json,sys; f=[e for e in json.load(open(sys.argv[1])) if 'seconds_per_step' in e]; print(f'{f[-1][\"schedule_fitted_to_steps\"]} {f[-1][\"seconds_per_step\"]:.3f}' if f else '')" "$1"
+}
+
 pack() {  # pack NAME...: bf16 copies of ~/assets/runs/NAME/final, queued in ~/assets/outbox as 15 MB tar parts
   python3 - "$@" <<'PY'
 import os, sys, torch
@@ -100,7 +104,9 @@ train1)
   for typ in "${TYPES[@]}"; do
     cp $A/runs/$typ-stage1/final/eval_metrics.json "$L/eval_$typ-stage1.json" || true
     cp $A/runs/$typ-stage1/final/train_log.json "$L/trainlog_$typ-stage1.json" || true
-    log "$typ stage 1: $(grep -o '"schedule_fitted_to_steps": [0-9]*, "seconds_per_step": [0-9.]*' $L/trainlog_$typ-stage1.json || echo 'no fit')"
+    fit=$(last_fit $L/trainlog_$typ-stage1.json || true)
+    msg="no schedule fit"; [ -n "$fit" ] && msg="schedule fitted to ${fit% *} steps at ${fit#* } s/step"
+    log "$typ stage 1: $msg"
     log "$typ stage 1 eval: $(tr -d '\n ' < $L/eval_$typ-stage1.json | head -c 400)"
   done
   pack dflash-stage1 && ship  # insurance; the Markov drafter (75 MB with its r=256 head) stays behind
@@ -111,7 +117,8 @@ stage2)
     typ=${TYPES[$i]}
     # equal steps for the pair, sized from stage 1's measured s/step: a Carryover step costs ~2 stage-1 steps,
     # the pair time-slices one GPU, so N steps of both take ~3 N s1 (0.8 margin, 45 s for load/eval)
-    N=${S2_STEPS:-$(python3 -c "import json,sys; s=[e['seconds_per_step'] for e in json.load(open(sys.argv[1])) if 'seconds_per_step' in e]; print(int(0.8*(${S2_MINUTES}*60-45)/(3*s[-1])) if s else 800)" $A/runs/$typ-stage1/final/train_log.json)}
+    fit=$(last_fit $A/runs/$typ-stage1/final/train_log.json || true)
+    N=${S2_STEPS:-$(python3 -c "print(int(0.8 * (${S2_MINUTES} * 60 - 45) / (3 * float('${fit#* }'))) if '$fit' else 800)")}
     log "$typ stage 2: $N steps each"
     CUDA_VISIBLE_DEVICES=$i python3 trainer/train.py --config trainer/configs/smollm2_stage2.json \
       --init_from $A/runs/$typ-stage1/final --data_dir $A/data/train --eval_data_dir $A/data/eval \

@@ -69,7 +69,7 @@ class TimeLimit(TrainerCallback):
         self.stop_at = None
 
     def _due(self, step):
-        c0, c1 = self.calibrate
+        c1 = self.calibrate[1]
         return step == c1 or (step > c1 and (step - c1) % self.refit_every == 0)
 
     def on_step_end(self, args, state, control, **kwargs):
