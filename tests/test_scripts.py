@@ -111,6 +111,24 @@ def test_time_limit_fits_the_lr_schedule_to_the_budget():
     assert len(fits) > 3 and fits[0]["schedule_fitted_to_steps"] < fits[-1]["schedule_fitted_to_steps"]
 
 
+def test_time_fit_makes_a_warmup_ratio_absolute():
+    """A ratio of the planned max_steps would outlast a time-fitted run; it must end by the first fit."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "trainer" / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    sys.modules["train_script"] = train
+    spec.loader.exec_module(train)
+    cfg = ["--config", str(ROOT / "trainer/configs/smollm2_stage1.json"), "--output_dir", "x", "--bf16", "false"]
+    _, args = train.parse(cfg + ["--max_steps", "20000"])
+    assert args.get_warmup_steps(20000) == 800  # what the 2026-11-29 H200 run trained with
+    train.warmup_for_time_fit(args, calibrate=(50, 150))
+    assert args.get_warmup_steps(20000) == 150
+    _, args = train.parse(cfg + ["--max_steps", "1000"])
+    train.warmup_for_time_fit(args, calibrate=(50, 150))
+    assert args.get_warmup_steps(1000) == 40  # a short plan keeps its ratio
+
+
 def test_gpu_engine_check_tiny_cpu(tmp_path):
     """trainer/gpu_engine_check.py end to end on CPU with a tiny target: every row present, exact, no errors
     (the graph engine runs eagerly here, so this checks the plumbing, not the graphs)."""

@@ -34,7 +34,8 @@ mkdir -p "$A" "$OUT"
 export HF_CARRYOVER_CACHE=$A/cache HF_CARRYOVER_OFFLINE=1 HF_CARRYOVER_SMOLLM2_GGUF=$A/smollm2.gguf
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export HF_CARRYOVER_COMMIT=$(cat .device/commit 2>/dev/null || echo unknown)
-TYPES=(dflash markov)  # GPU i trains TYPES[i]
+TYPES=(${TYPES:-dflash markov})  # two types: GPU i trains TYPES[i]; one type: stage 1 on both GPUs (DDP), then
+                                  # its baseline on GPU 0 and its Carryover continuation on GPU 1
 S1_MINUTES=${S1_MINUTES:-6}
 S2_MINUTES=${S2_MINUTES:-5.5}
 
@@ -91,14 +92,20 @@ train1)
   cp -r assets/prompts "$A/prompts"
   python3 -c "from hf_carryover.reference import reference_target as r; r()" 2>&1 | tail -2
   log "target converted"
-  for i in 0 1; do
+  if [ ${#TYPES[@]} = 1 ]; then  # one type, both GPUs: data-parallel stage 1 (global batch 2 x per-device)
+    typ=${TYPES[0]}; L1=""; [ "$typ" = markov ] && L1="--l1_weight 0.9"
+    accelerate launch --num_processes 2 ${DDP_FLAGS:---multi_gpu} --main_process_port 29511 trainer/train.py \
+      --config trainer/configs/smollm2_stage1.json --drafter_type $typ $L1 --data_dir $A/data/train \
+      --eval_data_dir $A/data/eval --output_dir $A/runs/$typ-stage1 --max_steps 20000 --max_minutes $S1_MINUTES \
+      --fit_schedule_to_time true ${TRAIN_EXTRA:-} > "$L/train_$typ-stage1.log" 2>&1 &
+  else for i in 0 1; do
     typ=${TYPES[$i]}
     L1=""; [ "$typ" = markov ] && L1="--l1_weight 0.9"  # DSpark: 0.1 CE + 0.9 ||p_draft - p_target||_1
     CUDA_VISIBLE_DEVICES=$i python3 trainer/train.py --config trainer/configs/smollm2_stage1.json \
       --drafter_type $typ $L1 --data_dir $A/data/train --eval_data_dir $A/data/eval \
       --output_dir $A/runs/$typ-stage1 --max_steps 20000 --max_minutes $S1_MINUTES --fit_schedule_to_time true ${TRAIN_EXTRA:-} \
       > "$L/train_$typ-stage1.log" 2>&1 &
-  done
+  done; fi
   wait
   flush
   for typ in "${TYPES[@]}"; do
@@ -113,18 +120,20 @@ train1)
   log "stage 1 done"; flush
   ;;
 stage2)
-  for i in 0 1; do
+  for i in "${!TYPES[@]}"; do
     typ=${TYPES[$i]}
-    # equal steps for the pair, sized from stage 1's measured s/step: a Carryover step costs ~2 stage-1 steps,
-    # the pair time-slices one GPU, so N steps of both take ~3 N s1 (0.8 margin, 45 s for load/eval)
+    # equal steps for the pair, sized from stage 1's measured s/step: a Carryover step costs ~2 stage-1 steps;
+    # a pair that time-slices one GPU takes ~3 N s1 for N steps of both, a pair on two GPUs ~2 N s1
+    # (0.8 margin, 45 s for load/eval)
+    g0=$i; g1=$i; share=3; [ ${#TYPES[@]} = 1 ] && { g1=1; share=2; }
     fit=$(last_fit $A/runs/$typ-stage1/final/train_log.json || true)
-    N=${S2_STEPS:-$(python3 -c "print(int(0.8 * (${S2_MINUTES} * 60 - 45) / (3 * float('${fit#* }'))) if '$fit' else 800)")}
-    log "$typ stage 2: $N steps each"
-    CUDA_VISIBLE_DEVICES=$i python3 trainer/train.py --config trainer/configs/smollm2_stage2.json \
+    N=${S2_STEPS:-$(python3 -c "print(int(0.8 * (${S2_MINUTES} * 60 - 45) / ($share * float('${fit#* }'))) if '$fit' else 800)")}
+    log "$typ stage 2: $N steps each (baseline on GPU $g0, Carryover on GPU $g1)"
+    CUDA_VISIBLE_DEVICES=$g1 python3 trainer/train.py --config trainer/configs/smollm2_stage2.json \
       --init_from $A/runs/$typ-stage1/final --data_dir $A/data/train --eval_data_dir $A/data/eval \
       --output_dir $A/runs/$typ-carryover --max_steps $N --max_minutes $S2_MINUTES ${TRAIN_EXTRA:-} \
       > "$L/train_$typ-carryover.log" 2>&1 &
-    CUDA_VISIBLE_DEVICES=$i python3 trainer/train.py --config trainer/configs/smollm2_stage2.json \
+    CUDA_VISIBLE_DEVICES=$g0 python3 trainer/train.py --config trainer/configs/smollm2_stage2.json \
       --init_from $A/runs/$typ-stage1/final --stage 1 --carryover false --num_anchors 256 \
       --data_dir $A/data/train --eval_data_dir $A/data/eval \
       --output_dir $A/runs/$typ-baseline --max_steps $N --max_minutes $S2_MINUTES ${TRAIN_EXTRA:-} \
@@ -139,7 +148,8 @@ stage2)
   done; done
   flush
   rm -rf $A/outbox/*  # queue: the DFlash pair first (complete in this call), then the Markov pair
-  pack dflash-carryover dflash-baseline markov-carryover markov-baseline && ship
+  P=""; for t in "${TYPES[@]}"; do P="$P $t-carryover $t-baseline"; done
+  pack $P && ship
   log "stage 2 done"
   ;;
 eval)
@@ -183,17 +193,23 @@ eval)
 tau)  # τ of the four drafters at T=0 and T=1 through the batched engine (fp32), one drafter pair per GPU.
   # The engine's greedy rounds equal generate()'s (tested, all but possibly each prompt's last) and the offline
   # replay's (checked on the H200: 1.373 both, DFlash baseline, MT-Bench); ~4 minutes for 4 x 344 prompts x 2 T.
-  i=0
-  for t in "${TYPES[@]}"; do
-    CUDA_VISIBLE_DEVICES=$i timeout ${TAU_SECONDS:-250} python3 examples/evaluate_tau.py --prompts_dir $A/prompts \
-      --dtype float32 --engine --engine_batch 128 --drafters $t-baseline=$A/runs/$t-baseline/final \
-      $t-carryover=$A/runs/$t-carryover/final --datasets mtbench humaneval sharegpt --temperatures 0 1 \
-      ${TAU_EXTRA:-} --out $R/tau_engine_$t > $R/tau_engine_$t.log 2>&1 &
-    i=$((i+1))
-  done
+  tau_run() {  # tau_run GPU NAME DRAFTER...
+    local g=$1 n=$2; shift 2
+    CUDA_VISIBLE_DEVICES=$g timeout ${TAU_SECONDS:-250} python3 examples/evaluate_tau.py --prompts_dir $A/prompts \
+      --dtype float32 --engine --engine_batch 128 --drafters "$@" --datasets mtbench humaneval sharegpt \
+      --temperatures 0 1 ${TAU_EXTRA:-} --out $R/tau_engine_$n > $R/tau_engine_$n.log 2>&1
+  }
+  if [ ${#TYPES[@]} = 1 ]; then t=${TYPES[0]}  # one drafter per GPU
+    tau_run 0 $t-baseline $t-baseline=$A/runs/$t-baseline/final &
+    tau_run 1 $t-carryover $t-carryover=$A/runs/$t-carryover/final &
+  else for i in "${!TYPES[@]}"; do t=${TYPES[$i]}
+    tau_run $i $t $t-baseline=$A/runs/$t-baseline/final $t-carryover=$A/runs/$t-carryover/final &
+  done; fi
   wait
+  summarize() { python3 examples/evaluate_tau.py --out $R/tau_engine_$1 --summarize_only --drafters "${@:2}" | tail -6 || true; }
   for t in "${TYPES[@]}"; do
-    python3 examples/evaluate_tau.py --drafters $t-baseline=x $t-carryover=y --out $R/tau_engine_$t --summarize_only | tail -6
+    if [ ${#TYPES[@]} = 1 ]; then summarize $t-baseline $t-baseline=x; summarize $t-carryover $t-carryover=x
+    else summarize $t $t-baseline=x $t-carryover=x; fi
   done
   ;;
 fetch)  # the parts still queued, 4 a call
@@ -226,6 +242,7 @@ vllm)
       EXPORTS="$EXPORTS $n=$S/$n"; ENGINE_D="$ENGINE_D $n=$src"; log "exported $n from $src"
     else log "drafter $n: none at $src, or its export failed (export.log)"; fi
   done
+  for n in ${ENGINE_ONLY:-}; do ENGINE_D="$ENGINE_D $n=$A/runs/$n/final"; done  # e.g. a Carryover drafter
   B="--prompts_dir $A/prompts --datasets ${VLLM_DATASETS:-humaneval mtbench} --limit ${VLLM_LIMIT:-10}"
   B="$B --max_new_tokens ${VLLM_MAX_NEW:-256} --batch_sizes ${VLLM_BATCHES:-1 8} --out $R/bench"
   ngpu=$(nvidia-smi -L 2>/dev/null | grep -c GPU || true)

@@ -13,6 +13,7 @@ Training data: response shards from `trainer/regenerate.py`; `--eval_data_dir` h
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -56,7 +57,7 @@ class TimeLimit(TrainerCallback):
     before the deadline and sets the scheduler's horizon (`num_training_steps` of the cosine/linear lambda) to
     that count; the run stops there with a decayed LR instead of being cut mid-schedule. Re-fitting matters:
     the first H200 run fitted once at steps 20-60, still inside the slow warm-up steps (0.32 s/step against
-    0.17 s later), and stopped after 3.5 of its 6 minutes. Warm-up (in steps) is unchanged. Under DDP the
+    0.17 s later), and stopped after 3.5 of its 6 minutes. Warm-up is set by `warmup_for_time_fit`. Under DDP the
     ranks agree on one count (the minimum) and one stop.
     """
 
@@ -93,6 +94,18 @@ class TimeLimit(TrainerCallback):
             state.log_history.append({"stopped_early_at_step": step})
             control.should_training_stop = True
             control.should_save = True
+
+
+def warmup_for_time_fit(args, calibrate=(50, 150)) -> None:
+    """A warm-up *ratio* means a share of `max_steps`, but a time-fitted run stops far earlier (20000 planned,
+    1029 run on the H200 on 2026-11-29: 800 warm-up steps, so LR peaked at step 800 of 1029 and most of the
+    run trained at a fraction of it). With the fit, warm-up becomes absolute and ends by the first fit."""
+    w = args.warmup_steps
+    if w and 0 < w < 1:
+        args.warmup_steps = max(1, min(int(math.ceil(w * args.max_steps)), calibrate[1]))
+        print(f"[train] warm-up ratio {w} with a time-fitted schedule -> {args.warmup_steps} steps")
+    elif w > calibrate[1]:
+        print(f"[train] warning: {w} warm-up steps outlast the schedule fit at step {calibrate[1]}")
 
 
 def _agree(value: float, op: str) -> float:
@@ -159,6 +172,8 @@ def build_drafter(script: ScriptArguments, target):
 
 def main(argv=None):
     script, args = parse(sys.argv[1:] if argv is None else argv)
+    if script.max_minutes and script.fit_schedule_to_time:
+        warmup_for_time_fit(args)
     target, pad_id = load_target(script)
     drafter = build_drafter(script, target)
     train = ResponseDataset(script.data_dir, max_records=script.max_train_records)
