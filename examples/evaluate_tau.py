@@ -243,7 +243,12 @@ def main():
 
             mp.spawn(worker, args=(args, jobs), nprocs=args.workers, join=True)
     table, mean_tau = summarize(args.out)
-    summary = {"command": " ".join([sys.executable.split("/")[-1]] + sys.argv), "environment": environment(),
+    command, env = " ".join([sys.executable.split("/")[-1]] + sys.argv), environment()
+    old = Path(args.out, "summary.json")
+    if args.summarize_only and old.exists():  # keep who measured (and where): re-summarizing measures nothing
+        prev = json.loads(old.read_text())
+        command, env = prev.get("command", command), prev.get("environment", env)
+    summary = {"command": command, "environment": env,
                "max_new_tokens": args.max_new_tokens, "mean_tau": mean_tau, "results": table}
     Path(args.out, "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(mean_tau, indent=2))

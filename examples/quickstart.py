@@ -57,10 +57,8 @@ def main():
     target.to(device)
     folder = find_drafter(args.drafter)
     if folder is None:
-        print("!! No trained drafter is shipped yet (model_cards/ has none): using a RANDOMLY INITIALISED DFlash\n"
-              "!! drafter with Carryover. Expect τ ≈ 1 and a slowdown; this run shows the output is unchanged.\n"
-              "!! (The undertrained drafters of 2026-11-29, τ ≈ 1.3-1.5, are on git branch drafters-2026-11-29:\n"
-              "!!  `git worktree add ../drafters drafters-2026-11-29`, then --drafter ../drafters/model_cards/NAME.)")
+        print("!! No drafter folder in model_cards/ (a sparse or partial checkout?): using a RANDOMLY INITIALISED\n"
+              "!! DFlash drafter with Carryover. Expect τ ≈ 1 and a slowdown; this run shows the output is unchanged.")
         torch.manual_seed(0)
         drafter = hf_carryover.Drafter.from_target(target, drafter_type="dflash", carryover=True,
                                                    num_hidden_layers=3, mask_token_id=SMOLLM2_MASK_TOKEN_ID)

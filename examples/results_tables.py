@@ -55,9 +55,9 @@ def bench_table(paths) -> str:
     """Speed rows of benchmark.py and bench_vllm.py; rows with "error" show it instead of numbers."""
     recs = [json.loads(line) for p in paths for line in Path(p).read_text().splitlines() if line.strip()]
 
-    def ratio(r, base):  # tok/s of r over that of row `base` of the same dataset; "–" if either has none
+    def ratio(r, base):  # tok/s of r over that of row `base` on the same prompts (dataset and --limit); "–" if none
         ref = next((x for x in recs if base and x["method"] == base and x["dataset"] == r["dataset"]
-                    and x.get("tok_per_s")), None)
+                    and x.get("prompts") == r.get("prompts") and x.get("tok_per_s")), None)
         return f"{r['tok_per_s'] / ref['tok_per_s']:.2f}" if ref and r.get("tok_per_s") else "–"
 
     out = ["| dataset | method | prompts | tok/s | τ | engine mode | × hf_eager | × engine_ar@1 | × own AR "

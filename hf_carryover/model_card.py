@@ -103,7 +103,9 @@ def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: 
                   f"{r['rounds']} | {r['tau']:.2f} |" for r in rows]
         lines.append(f"\nMeasured with `{summary.get('command', '?')}` at commit `{env.get('commit')}` on "
                      f"{env.get('gpu')}, torch {env.get('torch')}, transformers {env.get('transformers')}; "
-                     f"max {summary.get('max_new_tokens')} new tokens, batch 1.")
+                     f"max {summary.get('max_new_tokens')} new tokens, "
+                     + ("our batched engine in fp32 (rows advance independently, so τ is batch-1 τ)."
+                        if "--engine" in summary.get("command", "") else "batch 1."))
         results = "\n".join(lines)
     else:
         results = "Not measured yet."

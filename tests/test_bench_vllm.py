@@ -138,6 +138,18 @@ def test_methods_rows_failures_and_table(tmp_path, monkeypatch):
     assert "| humaneval | vllm_dflash:x@1 | 3 | error: startup: RuntimeError('no CUDA device') | – |" in table
 
 
+
+def test_bench_table_ratios_only_within_one_prompt_set(tmp_path):
+    """A 3-prompt HF run and a 10-prompt vLLM run of one dataset are different workloads: no cross ratios."""
+    rows = [{"method": "hf_eager", "dataset": "d", "prompts": 3, "tok_per_s": 20.0},
+            {"method": "engine_ar@1", "dataset": "d", "prompts": 3, "tok_per_s": 200.0},
+            {"method": "engine_ar@1", "dataset": "d", "prompts": 10, "tok_per_s": 250.0},
+            {"method": "vllm_ar@1", "dataset": "d", "prompts": 10, "tok_per_s": 500.0}]
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    table = bench_table([tmp_path / "b.jsonl"]).splitlines()
+    assert table[3] == "| d | engine_ar@1 | 3 | 200.0 | – | – | 10.00 | 1.00 | – | – |"
+    assert table[4] == "| d | engine_ar@1 | 10 | 250.0 | – | – | – | 1.00 | – | 0.50 |"
+
 FAKE_VLLM = '''"""A stand-in `vllm` package: records LLM(...) arguments, echoes the first prompt token, counts fake drafts."""
 import json, os
 from types import SimpleNamespace as NS

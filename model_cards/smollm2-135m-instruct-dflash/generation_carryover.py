@@ -1,0 +1,208 @@
+"""`generate()` integration: a `CandidateGenerator` that drafts with a block drafter and feeds it carryover.
+
+Copied verbatim into saved drafter folders (remote code); imports only `torch` and `transformers`.
+
+How it plugs in (DESIGN.md §8). Transformers >= 5.8 lets a candidate generator ask for the target's full
+verification outputs (`requires_model_outputs`), and calls `get_candidates(input_ids, model_outputs=...,
+is_first_iteration=..., n_last_matches=...)`. The verification forward covers `[anchor, d_1 .. d_k]`, so its
+hidden states hold `k+1` rows: rows `0..a` are now committed (anchor + accepted drafts) and rows `a+1..k`
+are the carryover states. We count committed rows from the sequence length, not from `n_last_matches`, so
+that transformers' own cropping at EOS or `max_length` cannot desynchronise the drafter cache.
+
+`GenerationMixin._get_candidate_generator` has no registry, so `install_generate_hook()` wraps it once
+(idempotently, across any number of copies of this module) and dispatches on the *instance method*
+`assistant_model.make_candidate_generator`; `enable(target)` does the same for one target only.
+Set `HF_CARRYOVER_NO_HOOK=1` to skip the import-time wrap and use `enable` instead.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.utils import GenerationMixin
+
+_HOOK_MARK = "_hf_carryover_wrapped"
+
+
+class CarryoverCandidateGenerator(CandidateGenerator):
+    """Drafts one block per round; keeps the drafter's committed-context cache; passes carryover rows.
+
+    Statistics of the last `generate()` call are in `self.rounds` (one dict per verification round:
+    proposals, accepted) and `self.tau` (emitted tokens / verification forwards, prefill excluded).
+    With `record_carryover=True` each round also stores the carryover features and positions it used.
+    """
+
+    requires_model_outputs = True
+    # `True` (not a list of layers): the list form indexes differently before/after transformers 5.23.
+    model_kwargs_overrides = {"output_hidden_states": True}
+
+    def __init__(self, drafter, target, generation_config, logits_processor=None, model_kwargs=None,
+                 input_ids=None, record_carryover: bool = False):
+        from .modeling_drafter import DrafterContextCache  # sibling module; lazy to avoid an import cycle
+
+        if input_ids is not None and input_ids.shape[0] != 1:
+            raise ValueError(
+                f"hf_carryover's generate() path supports batch size 1 only (transformers' assisted decoding "
+                f"limit); got a batch of {input_ids.shape[0]}. Call generate() once per prompt."
+            )
+        self.drafter = drafter
+        self.config = drafter.config
+        self.cache = DrafterContextCache(len(drafter.layers))
+        self.max_length = generation_config.max_length
+        self.do_sample = bool(generation_config.do_sample)
+        self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
+        eos = generation_config.eos_token_id
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        self.eos_ids = torch.tensor(eos, dtype=torch.long)
+        self.record_carryover = record_carryover
+        self.rounds: list[dict] = []
+        self._pending = None  # number of proposals of the round being verified
+        self._pad_offset = 0
+        mask = (model_kwargs or {}).get("attention_mask")
+        if mask is not None and input_ids is not None:
+            self._pad_offset = int((mask[0] == 0).sum())
+
+    # -------------------------------------------------------------- statistics
+    @property
+    def tau(self) -> float:
+        """Mean accepted length per verification round (accepted drafts + the bonus token)."""
+        if not self.rounds:
+            return float("nan")
+        return sum(r["accepted"] + 1 for r in self.rounds) / len(self.rounds)
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        """Record acceptance (overridden: on transformers 5.17 the base class method must not be used)."""
+        if self._pending:
+            self.rounds[-1]["accepted"] = int(num_matches)
+        self._pending = None
+
+    # -------------------------------------------------------------- drafting
+    def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False,
+                       n_last_matches=0, **kwargs):
+        if is_first_iteration:
+            return input_ids, None  # the target prefills first; we draft from its hidden states next call
+        if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
+            raise ValueError("CarryoverCandidateGenerator needs the target's hidden states of the last forward.")
+        drafter, cfg = self.drafter, self.config
+        device = drafter.fc.weight.device
+        hs = model_outputs.hidden_states
+        n_rows = hs[0].shape[1]  # rows of the last target forward: prompt (prefill) or [anchor, d_1..d_k]
+        n_committed_before = self.cache.length
+        n_new = input_ids.shape[1] - 1 - n_committed_before  # committed rows among them (anchor excluded)
+        if not 0 < n_new <= n_rows:
+            raise RuntimeError(f"Drafter cache out of sync: {n_new} new committed rows, {n_rows} verified rows.")
+        features = drafter.target_features(hs).to(device)  # [1, n_rows, L*d_t]
+        pos0 = n_committed_before - self._pad_offset
+        positions = torch.arange(pos0, pos0 + n_rows, device=device)[None]
+        valid = None
+        if n_committed_before == 0 and self._pad_offset:
+            valid = torch.arange(n_new, device=device)[None] >= self._pad_offset
+            positions = positions.clamp(min=0)
+        drafter.append_context(self.cache, drafter.fuse(features[:, :n_new]), positions[:, :n_new], valid)
+
+        carry = carry_pos = None
+        if cfg.carryover and n_rows > n_new:
+            carry, carry_pos = features[:, n_new:], positions[:, n_new:]  # rejected rows, original positions
+        if self.record_carryover:
+            self.rounds_carryover = getattr(self, "rounds_carryover", [])
+            self.rounds_carryover.append({
+                "features": None if carry is None else features[:, n_new:].detach().clone(),
+                "positions": None if carry is None else carry_pos.detach().clone(),
+                "committed": input_ids.shape[1] - 1,
+            })
+
+        budget = self.max_length - input_ids.shape[1] - 1  # drafts beyond this could never be emitted
+        n_prop = min(cfg.num_proposals, budget)
+        if n_prop <= 0:
+            return input_ids, None
+        anchor = input_ids[:, -1:].to(device)
+        hidden = drafter.draft_hidden(anchor, input_ids.shape[1] - 1 - self._pad_offset, self.cache, carry, carry_pos)
+        hidden = hidden[:, drafter.proposal_rows()][:, :n_prop]  # [1, n_prop, d]
+        tokens, logits = self._choose(input_ids, drafter.lm_logits(hidden).float())
+        tokens, logits = self._crop_at_eos(tokens, logits)
+        self.rounds.append({"proposals": tokens.shape[1], "accepted": 0})
+        if self.record_carryover:
+            self.rounds[-1]["tokens"] = tokens[0].tolist()
+        self._pending = True
+        candidate = torch.cat([input_ids, tokens.to(input_ids.device)], dim=-1)
+        return candidate, logits.to(input_ids.device)
+
+    def _choose(self, input_ids, logits):
+        """Turn per-row drafter logits `[1, n, V]` into proposals and the distribution they were drawn from.
+
+        Markov: row k's logits get `W2(W1[previous token])`, so tokens are chosen left to right. The returned
+        logits are the processed (and, for Markov, corrected) ones: exactly what the proposals were sampled
+        from, as lossless speculative sampling requires.
+        """
+        if self.config.drafter_type != "markov" and self.logits_processor is None:  # rows are independent
+            tokens = (torch.multinomial(logits[0].softmax(-1), 1).T if self.do_sample else logits.argmax(-1))
+            return tokens, logits
+        seq = [input_ids.to(logits.device)]  # grows as proposals are chosen: processors may read it
+
+        def pick(row):
+            if self.logits_processor is not None:
+                row = self.logits_processor(seq[0], row)
+            token = torch.multinomial(row.softmax(-1), 1)[:, 0] if self.do_sample else row.argmax(-1)
+            seq[0] = torch.cat([seq[0], token[:, None]], dim=-1)
+            return row, token
+
+        return self.drafter.propose(logits, input_ids[:, -1].to(logits.device), pick)
+
+    def _crop_at_eos(self, tokens, logits):
+        """Drop proposals after the first EOS (transformers < 5.23 would otherwise accept past it)."""
+        if self.eos_ids.numel() == 0:
+            return tokens, logits
+        hit = torch.isin(tokens[0], self.eos_ids.to(tokens.device)).nonzero()
+        if hit.numel():
+            n = int(hit[0]) + 1
+            tokens, logits = tokens[:, :n], logits[:, :n]
+        return tokens, logits
+
+
+# ---------------------------------------------------------------------- hooking into generate()
+def _dispatch(original):
+    def _get_candidate_generator(self, *args, **kwargs):
+        assistant = kwargs.get("assistant_model")
+        make = getattr(assistant, "make_candidate_generator", None)
+        own_dflash = getattr(kwargs.get("generation_config"), "speculation_type", None) == "dflash"
+        if make is not None and getattr(assistant, "_is_carryover_drafter", False) and not own_dflash:
+            return make(
+                target=self,
+                generation_config=kwargs["generation_config"],
+                logits_processor=kwargs.get("logits_processor"),
+                model_kwargs=kwargs.get("model_kwargs"),
+                input_ids=kwargs.get("input_ids"),
+            )
+        return original(self, *args, **kwargs)
+
+    setattr(_get_candidate_generator, _HOOK_MARK, True)
+    return _get_candidate_generator
+
+
+def install_generate_hook(force: bool = False) -> bool:
+    """Wrap `GenerationMixin._get_candidate_generator` once so `generate(assistant_model=drafter)` works.
+
+    Returns True if the wrap is in place. Idempotent even when several copies of this module exist
+    (the package and a remote-code copy), because the mark is on the wrapped function itself.
+    """
+    if os.environ.get("HF_CARRYOVER_NO_HOOK") == "1" and not force:
+        return False
+    current = GenerationMixin._get_candidate_generator
+    if not getattr(current, _HOOK_MARK, False):
+        GenerationMixin._get_candidate_generator = _dispatch(current)
+    return True
+
+
+def enable(target):
+    """Per-target switch: route `target.generate(assistant_model=drafter)` to the Carryover generator,
+    without touching the class (for users who set `HF_CARRYOVER_NO_HOOK=1`)."""
+    current = type(target)._get_candidate_generator
+    if not getattr(target.__dict__.get("_get_candidate_generator"), _HOOK_MARK, False):
+        target._get_candidate_generator = types.MethodType(_dispatch(current), target)
+    return target
+
+
+__all__ = ["CarryoverCandidateGenerator", "install_generate_hook", "enable"]
