@@ -191,6 +191,11 @@ def main():
     methods = [] if args.no_ar else [("vllm_ar", None)]
     for spec in args.drafter_export:
         name, _, path = spec.rpartition("=")
+        cfg = Path(path, "config.json")  # a missing folder fails at vLLM startup, as an error row
+        block = json.loads(cfg.read_text()).get("block_size") if cfg.exists() else None
+        if block and k != block - 1:  # vLLM builds 1 + k query rows and never checks: an untrained block length
+            raise SystemExit(f"--num_speculative_tokens {k} does not fit {path}: its block_size {block} proposes "
+                             f"{block - 1} tokens")
         methods.append((f"vllm_dflash:{name or Path(path).name}", path))
 
     out = Path(args.out)

@@ -48,13 +48,19 @@ def load_target(name, dtype, device):
 
 
 def load_drafters(specs, dtype, device):
-    """`name=folder` specs -> {name: drafter} (remote code, as users load them)."""
+    """`name=folder[,key=value...]` specs -> {name: drafter} (remote code, as users load them). The optional
+    config overrides serve ablations, e.g. `carry-off=FOLDER,carryover=false` runs a Carryover-trained drafter
+    without its carryover states."""
     from transformers import AutoModel
 
     drafters = {}
     for spec in specs:
-        name, path = spec.split("=", 1)
-        drafters[name] = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=dtype).to(device).eval()
+        name, rest = spec.split("=", 1)
+        path, *pairs = rest.split(",")
+        overrides = {k: json.loads(v) if v in ("true", "false") or v.lstrip("-").isdigit() else v
+                     for k, v in (p.split("=", 1) for p in pairs)}
+        drafters[name] = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=dtype,
+                                                   **overrides).to(device).eval()
     return drafters
 
 

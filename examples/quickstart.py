@@ -29,7 +29,7 @@ def find_drafter(arg):
         return Path(arg)
     root = Path(__file__).resolve().parents[1] / "model_cards"
     for name in SHIPPED:
-        if (root / name / "config.json").exists():
+        if (root / name / "config.json").exists() and (root / name / "model.safetensors").exists():
             return root / name
     return None
 

@@ -31,6 +31,13 @@ def export_dflash(drafter, out_dir, dtype=torch.bfloat16) -> dict:
     if cfg.learned_mask_embedding or cfg.mask_token_id is None:
         raise ValueError("The DFlash format embeds the mask with the target's row `mask_token_id`; this drafter "
                          "uses a learned mask embedding, which the format cannot carry.")
+    # vLLM taps layer i as the residual stream after i+1 target layers and concatenates the taps in ascending
+    # layer order, once per layer; HF's hidden_states[-1] is post-final-norm. Any other list drafts differently.
+    ids = list(cfg.target_layer_ids)
+    n_target = (cfg.target_fingerprint or {}).get("num_hidden_layers", cfg.num_target_layers)
+    if ids != sorted(set(ids)) or ids[0] < 0 or (n_target is not None and ids[-1] > n_target - 2):
+        raise ValueError(f"target_layer_ids {ids} must be strictly increasing, in 0..num_target_layers-2 "
+                         f"(num_target_layers={n_target}): vLLM concatenates the tapped layers in layer order.")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state, dropped = {}, []
@@ -62,9 +69,8 @@ def export_dflash(drafter, out_dir, dtype=torch.bfloat16) -> dict:
         "use_cache": False,
         "dtype": str(dtype).replace("torch.", ""),
         "block_size": cfg.block_size,
-        "num_target_layers": (cfg.target_fingerprint or {}).get("num_hidden_layers", cfg.num_target_layers),
-        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
-                          "block_size": cfg.block_size},
+        "num_target_layers": n_target,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": ids, "block_size": cfg.block_size},
     }
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return {"dropped": dropped}

@@ -213,5 +213,10 @@ def test_main_with_a_stand_in_vllm(tmp_path):
     good = by[("vllm_dflash:good@2", "mtbench")]
     assert good["tau"] == pytest.approx(2.5) and good["same_as_ar"] == 1.0 and good["num_speculative_tokens"] == 3
     assert by[("vllm_dflash:broken@1", "mtbench")]["error"] == "startup: RuntimeError('cannot load drafter')"
+    (tmp_path / "d16").mkdir()
+    (tmp_path / "d16" / "config.json").write_text(json.dumps({"block_size": 16}))
+    cmd[cmd.index("/x/broken")] = str(tmp_path / "d16")  # k=3 against a block of 16: refused before any LLM starts
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode != 0 and "block_size 16 proposes 15" in res.stderr
     summary = json.loads((tmp_path / "out" / "bench_vllm.json").read_text())
     assert summary["environment"]["vllm"] == "0.0-fake" and summary["methods"]["vllm_dflash:good"] == "/x/d1"

@@ -200,3 +200,20 @@ def test_failed_capture_falls_back_to_eager_with_one_warning(monkeypatch):
         warnings.simplefilter("error")  # the failure is remembered per shape: no second attempt, no second warning
         assert engine.generate(prompts[::-1], max_new_tokens=20) == ref.generate(prompts[::-1], max_new_tokens=20)
     assert engine.last_mode.startswith("eager (capture failed")
+
+
+@pytest.mark.parametrize("typ", ["dflash", None])
+def test_compiled_round_equals_eager(typ):
+    """compile=True runs the same round through torch.compile (inductor's C++ backend here): same tokens, same
+    rounds as the eager engine in fp32, and the mode says so. Sampling stays on the eager round."""
+    target = build_target("llama", seed=5)
+    drafter = build_drafter(target, typ, True) if typ else None
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 90, (n,), generator=g).tolist() for n in (4, 9)]
+    eager = SpeculativeEngine(target, drafter, max_len=96)
+    fast = SpeculativeEngine(target, drafter, max_len=96, compile=True)
+    ref = eager.generate(prompts, max_new_tokens=20)
+    assert fast.generate(prompts, max_new_tokens=20) == ref and fast.rounds == eager.rounds
+    assert fast.last_mode == "eager +compile"
+    fast.generate(prompts, max_new_tokens=5, do_sample=True)
+    assert fast.last_mode == "eager"

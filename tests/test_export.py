@@ -41,3 +41,9 @@ def test_export_refusals(tmp_path):
         export_dflash(build_drafter(target, "markov", False), tmp_path)
     with pytest.raises(ValueError, match="learned mask"):
         export_dflash(build_drafter(target, "dflash", False, mask_token_id=None), tmp_path)
+    drafter = build_drafter(target, "dflash", False)
+    n = drafter.config.target_fingerprint["num_hidden_layers"]
+    for bad in ([2, 0], [0, 0], [n - 1]):  # unsorted / repeated: vLLM fuses in layer order; n-1 is post-norm in HF
+        drafter.config.target_layer_ids = bad
+        with pytest.raises(ValueError, match="strictly increasing"):
+            export_dflash(drafter, tmp_path)

@@ -61,6 +61,10 @@ def main():
     p.add_argument("--batch_sizes", nargs="+", type=int, default=[1, 4])
     p.add_argument("--max_new_tokens", type=int, default=None, help="default 128 (16 with --tiny)")
     p.add_argument("--reps", type=int, default=3, help="timed generate() calls per measurement")
+    p.add_argument("--compile", action="store_true", help="also the graph engine with compile=True (torch.compile'd "
+                   "round, then captured): exactness against eager in fp32, tokens/s in bf16")
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
+                   help="order of the passes (put bf16 first when its timings matter most in a time box)")
     args = p.parse_args()
     max_new = args.max_new_tokens or (16 if args.tiny else 128)
     shape = TINY if args.tiny else {}
@@ -81,10 +85,14 @@ def main():
             drafter = Drafter.from_target(target, drafter_type="dflash", carryover=True, num_hidden_layers=3,
                                           mask_token_id=16).to(args.device).eval()
         max_len = 80 + max_new + 2 * 16
-        return (SpeculativeEngine(target, drafter, max_len=max_len),
-                SpeculativeEngine(target, drafter, max_len=max_len, cuda_graphs=True))
+        out = {"eager": SpeculativeEngine(target, drafter, max_len=max_len),
+               "graph": SpeculativeEngine(target, drafter, max_len=max_len, cuda_graphs=True)}
+        if args.compile:
+            out["graph_compile"] = SpeculativeEngine(target, drafter, max_len=max_len, cuda_graphs=True, compile=True)
+        return out
 
-    for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    for dtype_name in args.dtypes:
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
         try:
             target = smollm2_shaped(dtype, args.device, **shape)
         except Exception as e:  # noqa: BLE001  (record, keep going)
@@ -95,21 +103,27 @@ def main():
             for b in args.batch_sizes:
                 row = {"dtype": dtype_name, "method": kind, "batch": b}
                 try:
-                    eager, graph = engines(target, kind)
+                    built = engines(target, kind)
+                    eager, graph = built["eager"], built["graph"]
                     sets = prompt_sets(b, target.config.vocab_size, seed=b)
                     if dtype_name == "fp32":  # exactness: both prompt sets, tokens and rounds
-                        mismatches = []
-                        for i, prompts in enumerate(sets):
-                            ref = eager.generate(prompts, max_new_tokens=max_new, eos_token_id=eos)
-                            out = graph.generate(prompts, max_new_tokens=max_new, eos_token_id=eos)
-                            if out != ref or graph.rounds != eager.rounds:
-                                mismatches.append({"set": i, "first_diff_at": first_diff(ref, out),
-                                                   "rounds_equal": graph.rounds == eager.rounds})
-                        row.update(exact=not mismatches, mismatches=mismatches, mode=graph.last_mode,
-                                   graphs=len(graph._graphs), tau=eager.tau if kind == "dflash" else None)
+                        for name, engine in built.items():
+                            if name == "eager":
+                                continue
+                            mismatches = []
+                            for i, prompts in enumerate(sets):
+                                ref = eager.generate(prompts, max_new_tokens=max_new, eos_token_id=eos)
+                                out = engine.generate(prompts, max_new_tokens=max_new, eos_token_id=eos)
+                                if out != ref or engine.rounds != eager.rounds:
+                                    mismatches.append({"set": i, "first_diff_at": first_diff(ref, out),
+                                                       "rounds_equal": engine.rounds == eager.rounds})
+                            tag = "" if name == "graph" else "compile_"
+                            row.update({f"{tag}exact": not mismatches, f"{tag}mismatches": mismatches,
+                                        f"{tag}mode": engine.last_mode, f"{tag}graphs": len(engine._graphs)})
+                        row["tau"] = eager.tau if kind == "dflash" else None
                     else:  # speed: warm-up call (captures the graph), then timed calls over both prompt sets
                         first = {}
-                        for name, engine in (("eager", eager), ("graph", graph)):
+                        for name, engine in built.items():
                             first[name] = engine.generate(sets[0], max_new_tokens=max_new, eos_token_id=eos)
                             n_tok = 0
                             sync(args.device)
@@ -122,6 +136,9 @@ def main():
                             row[f"{name}_mode"] = engine.last_mode
                         row["speedup"] = row["graph_tok_per_s"] / row["eager_tok_per_s"]
                         row["same_tokens"] = first["eager"] == first["graph"]  # informative: bf16 near-ties
+                        if "graph_compile" in first:
+                            row["compile_over_graph"] = row["graph_compile_tok_per_s"] / row["graph_tok_per_s"]
+                            row["compile_same_tokens"] = first["eager"] == first["graph_compile"]
                 except Exception as e:  # noqa: BLE001  (record, keep going)
                     row["error"] = repr(e)[:500]
                 record(row)
@@ -129,7 +146,8 @@ def main():
         if args.device == "cuda":
             torch.cuda.empty_cache()
     rows = res["rows"]
-    res["all_exact"] = bool(rows) and all(r.get("exact", True) and "error" not in r for r in rows)
+    res["all_exact"] = bool(rows) and all(r.get("exact", True) and r.get("compile_exact", True) and "error" not in r
+                                          for r in rows)
     res["graphs_used"] = bool(rows) and all(r.get("mode", r.get("graph_mode")) == "cuda_graph" for r in rows)
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(f"all_exact={res['all_exact']} graphs_used={res['graphs_used']}", flush=True)

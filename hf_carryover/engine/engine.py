@@ -87,7 +87,8 @@ class DecodeState:
 
 
 class SpeculativeEngine:
-    def __init__(self, target, drafter=None, max_len: int = 2048, profile: bool = False, cuda_graphs: bool = False):
+    def __init__(self, target, drafter=None, max_len: int = 2048, profile: bool = False, cuda_graphs: bool = False,
+                 compile: bool = False):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -95,8 +96,17 @@ class SpeculativeEngine:
         for capture safety). It applies to greedy decoding on CUDA without profiling; otherwise the call runs
         eagerly. `self.last_mode` says how the last `generate()` ran: "eager", "cuda_graph", "eager (no CUDA)",
         "eager (sampling)", "eager (profile)", "eager (nothing to decode)" or "eager (capture failed: <error>)"
-        (warned once per shape: a failed shape is not captured again)."""
+        (warned once per shape: a failed shape is not captured again).
+
+        compile=True runs each round through `torch.compile` (inductor, static shapes; the prefill stays eager):
+        its fused kernels replace the dozens of small ones an HF decoder layer launches (unfused RMSNorm, RoPE,
+        SiLU*up), which is where a batch-1 step of a small target spends its time. With cuda_graphs the compiled
+        round is what gets captured, and `last_mode` gains "+compile". Compiled kernels may round differently
+        from eager ones, so greedy output can differ at near-ties; `trainer/gpu_engine_check.py --compile`
+        compares it with eager decoding. A shape compiles once (first call), like a capture."""
         self.profile = profile
+        self.compile = compile
+        self._compiled_round = torch.compile(self._round, dynamic=False) if compile else None
         self.cuda_graphs = cuda_graphs
         self.last_mode: str | None = None
         self.timing = {"draft": 0.0, "verify": 0.0, "other": 0.0, "rounds": 0}
@@ -276,17 +286,26 @@ class SpeculativeEngine:
         st.reset(anchor, plen, eos)
 
         graph, self.last_mode = self._graph(st, dev, do_sample)
+        if graph is None and self._compiled_round is not None and self._round_fn(do_sample) is self._compiled_round:
+            self.last_mode += " +compile"
         if graph is not None:
             while not bool(st.done.all()):  # the one host sync per round
                 graph.replay()
         else:
             clock = _Clock(self.profile, dev, self.timing)
+            step = self._round_fn(do_sample)
             while not bool(st.done.all()):  # the one host sync per round (outputs stay on the device)
-                self._round(st, do_sample, temperature, gen, clock)
+                step(st, do_sample, temperature, gen, clock)
         log = st.accepted[:, : int(st.round)].tolist()
         self.rounds = [[x for x in row if x >= 0] for row in log]
         n_out = st.n_out.tolist()
         return [row[:n] for row, n in zip(st.out.tolist(), n_out)]
+
+    def _round_fn(self, do_sample):
+        """The compiled round where it applies (greedy, no profiling: the clock's syncs would split the graph)."""
+        if self._compiled_round is not None and not do_sample and not self.profile:
+            return self._compiled_round
+        return self._round
 
     def _graph(self, st: DecodeState, dev, do_sample):
         """(captured round or None, mode string). Captures on the first call for this shape; a failed capture is
@@ -304,7 +323,8 @@ class SpeculativeEngine:
             if bool(st.done.all()):  # nothing to decode: do not capture on a finished state
                 return None, "eager (nothing to decode)"
             try:
-                self._graphs[key] = capture_round(lambda: self._round(st), st.tensors())
+                step = self._round_fn(do_sample)
+                self._graphs[key] = capture_round(lambda: step(st), st.tensors())
             except Exception as e:  # noqa: BLE001  (any capture error: decode eagerly instead)
                 self._graphs[key] = f"{type(e).__name__}: {e}"
                 warnings.warn(f"CUDA-graph capture failed for batch {st.b}; decoding eagerly: {self._graphs[key]}",
@@ -312,7 +332,7 @@ class SpeculativeEngine:
         entry = self._graphs[key]
         if isinstance(entry, str):
             return None, f"eager (capture failed: {entry})"
-        return entry, "cuda_graph"
+        return entry, "cuda_graph+compile" if self.compile else "cuda_graph"
 
     @property
     def tau(self) -> float:
