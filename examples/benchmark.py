@@ -101,14 +101,14 @@ def run_hf(target, prompts, max_new, **kw):
             **({"tau_from": "target forward count"} if own_loop else {})}
 
 
-def run_engine(target, drafter, prompts, max_new, batch, eos, profile=False, cuda_graphs=False):
+def run_engine(target, drafter, prompts, max_new, batch, eos, profile=False, cuda_graphs=False, compile=False):
     from hf_carryover.engine.engine import SpeculativeEngine
 
     k = drafter.config.block_size if drafter is not None else 1
     engine = SpeculativeEngine(target, drafter, max_len=max(len(p) for p in prompts) + max_new + 2 * k,
-                               profile=profile, cuda_graphs=cuda_graphs)
+                               profile=profile, cuda_graphs=cuda_graphs, compile=compile)
     chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
-    if cuda_graphs:  # capture outside the timed loop: one graph per batch size (the last chunk may be smaller)
+    if cuda_graphs or compile:  # capture/compile outside the timed loop: per batch size (the last chunk may be smaller)
         for size in sorted({len(c) for c in chunks}):
             engine.generate(next(c for c in chunks if len(c) == size), max_new_tokens=max_new, eos_token_id=eos)
     n_tok, secs, acc, modes = 0, 0.0, [], []
@@ -141,6 +141,8 @@ def main():
                    "and check the latency model τ·T_ar/(T_draft+T_verify) against the measured speedup")
     p.add_argument("--cuda_graphs", action="store_true", help="engine rows: replay each greedy round as a CUDA "
                    "graph (captured before timing); with --profile the engine stays eager to time its phases")
+    p.add_argument("--compile", action="store_true", help="engine rows: torch.compile each round (with --cuda_graphs, "
+                   "the compiled round is captured); the mode column says 'cuda_graph+compile'")
     p.add_argument("--random_drafter", action="store_true", help="add a random DFlash drafter built from the target "
                    "(timing projections, e.g. with --target qwen3-4b-random)")
     p.add_argument("--out", required=True)
@@ -164,10 +166,10 @@ def main():
 
     # fastest first: when a time box cuts the run, the engine rows and the HF baselines exist already
     methods = [(f"engine_ar@{b}", lambda pr, b=b: run_engine(target, None, pr, args.max_new_tokens, b, eos,
-                                                                args.profile, args.cuda_graphs))
+                                                                args.profile, args.cuda_graphs, args.compile))
                for b in args.batch_sizes]
     methods += [(f"engine:{n}@{b}", lambda pr, d=d, b=b: run_engine(target, d, pr, args.max_new_tokens, b, eos,
-                                                                    args.profile, args.cuda_graphs))
+                                                                    args.profile, args.cuda_graphs, args.compile))
                 for n, d in drafters.items() for b in args.batch_sizes]
     methods += [("hf_eager", lambda pr: run_hf(target, pr, args.max_new_tokens))]
     methods += [(f"hf_spec:{n}", lambda pr, d=d: run_hf(target, pr, args.max_new_tokens, assistant_model=d))
@@ -210,8 +212,8 @@ def main():
     if not args.cuda_graphs:
         not_covered["cuda_graphs"] = "engine rows ran eagerly; --cuda_graphs replays greedy rounds as CUDA graphs"
     summary = {"command": " ".join(["python"] + sys.argv), "environment": environment(),
-               "max_new_tokens": args.max_new_tokens, "cuda_graphs": args.cuda_graphs, "results": rows,
-               "not_covered": not_covered}
+               "max_new_tokens": args.max_new_tokens, "cuda_graphs": args.cuda_graphs, "compile": args.compile,
+               "results": rows, "not_covered": not_covered}
     (out_dir / "bench.json").write_text(json.dumps(summary, indent=2))
     lines = ["| dataset | method | tok/s | τ | × hf_eager | × engine_ar@1 | mode |", "|---|---|---|---|---|---|---|"]
     for r in rows:

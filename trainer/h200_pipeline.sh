@@ -22,6 +22,10 @@
 # Run of 2026-11-29 (examples/results/h200-2026-11-29b/): stash, train1, stage2 (S2_STEPS=300), eval (its τ steps
 # ran out of time: the fp32 offline replay takes ~100 s per drafter and dataset with these weak drafters),
 # fetch, fetch, tau (the same command typed inline), and a benchmark typed inline (see that folder's README).
+# Run of 2026-11-30 (examples/results/h200-2026-11-30/): stash; TYPES=dflash S1_MINUTES=6 train1 (stage 1 on both GPUs);
+# TYPES=dflash S2_MINUTES=4 stage2 + tau in one call; vllmstash + vllm (VLLM_DRAFTERS=dflash-baseline
+# ENGINE_ONLY=dflash-carryover) in one call carrying only .vllm/bundle; ~28 device-minutes with an inline benchmark.
+# With drafter weights committed in model_cards/, run `bash trainer/device_tree.sh light` before the calls.
 # Checkpoints: stage2 packs all four drafters in bf16 and queues them as tar parts (DFlash pair first); each call
 # ships the oldest 4 parts.
 # Every figure goes to $OUT as soon as it exists; checkpoints come back as tar parts of 15 MB (16 MB a file,
@@ -254,7 +258,7 @@ vllm)
   }
   engine_bench() {  # our engine, same bf16 weights file, CUDA graphs
     CUDA_VISIBLE_DEVICES=$1 timeout ${ENGINE_SECONDS:-$2} python3 examples/benchmark.py --target $S/target \
-      ${ENGINE_D:+--drafters $ENGINE_D} --methods engine_ar engine --cuda_graphs $B > "$L/bench_engine.log" 2>&1 \
+      ${ENGINE_D:+--drafters $ENGINE_D} --methods engine_ar engine --cuda_graphs ${ENGINE_FLAGS:-} $B > "$L/bench_engine.log" 2>&1 \
       || log "engine bench stopped: $?"
   }
   if [ "$ngpu" -ge 2 ]; then engine_bench 1 300 & vllm_bench 450; wait

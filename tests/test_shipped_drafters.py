@@ -1,0 +1,53 @@
+"""The drafters shipped in model_cards/: loadable as users load them, Hub-sized, and their cards' τ traceable to
+a stored results file (no hand-typed numbers)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = sorted(p for p in (ROOT / "model_cards").glob("*") if (p / "config.json").exists())
+
+
+def test_dflash_pair_ships():
+    names = {p.name for p in FOLDERS}
+    assert {"smollm2-135m-instruct-dflash", "smollm2-135m-instruct-dflash-carryover"} <= names, names
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.name)
+def test_loads_with_remote_code_only(folder, tmp_path):
+    """A process that never imports hf_carryover loads the folder through AutoModel (remote code), in bf16."""
+    if not (folder / "model.safetensors").exists():
+        pytest.skip("weights not in this working tree (sparse checkout: trainer/device_tree.sh light)")
+    assert (folder / "model.safetensors").stat().st_size <= 100e6
+    code = (f"from transformers import AutoModel; import torch, sys\n"
+            f"m = AutoModel.from_pretrained({str(folder)!r}, trust_remote_code=True)\n"
+            f"assert 'hf_carryover' not in sys.modules, 'loaded the installed package, not the folder code'\n"
+            f"assert {{p.dtype for p in m.parameters()}} == {{torch.bfloat16}}\n"
+            f"print(m.config.drafter_type, m.config.carryover, m.config.target_fingerprint['num_hidden_layers'])")
+    env = {**os.environ, "PYTHONPATH": ""}  # the package must not be importable from the repo root either
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    typ, carry, layers = res.stdout.split()[-3:]
+    assert typ in folder.name and (carry == "True") == folder.name.endswith("-carryover") and layers == "30"
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.name)
+def test_card_tau_comes_from_a_results_file(folder):
+    text = (folder / "README.md").read_text()
+    meta = yaml.safe_load(text.split("---")[1])
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    card = sorted(m["value"] for r in meta["model-index"][0]["results"] for m in r["metrics"] if m["type"] == "tau")
+    key = folder.name.removeprefix("smollm2-135m-instruct-")
+    key = key if key.endswith("-carryover") else key + "-baseline"
+    stored = set()
+    for f in (ROOT / "examples" / "results").glob("*/tau_engine_*.json"):
+        for r in json.loads(f.read_text())["results"].values():
+            if r["drafter"] == key:
+                stored.add(round(r["tau"], 3))
+    assert len(card) == 6 and set(card) <= stored, (card, sorted(stored))
