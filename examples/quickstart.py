@@ -20,6 +20,9 @@ import hf_carryover
 from hf_carryover.prompts import chat_prompt_ids
 from hf_carryover.reference import SMOLLM2_MASK_TOKEN_ID
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from evaluate_tau import environment  # noqa: E402  (commit and versions, as every stored result records them)
+
 SHIPPED = ["smollm2-135m-instruct-dflash-carryover", "smollm2-135m-instruct-markov-carryover",
            "smollm2-135m-instruct-dflash"]
 
@@ -81,7 +84,9 @@ def main():
     print(tokenizer.decode(spec[0, ids.shape[1]:], skip_special_tokens=True))
     same = torch.equal(plain, spec)
     print(f"\n=== identical to plain greedy decoding: {same}")
-    print(f"device {device} ({dtype}), transformers generate(), batch 1, {n_spec} new tokens")
+    env = environment()
+    print(f"device {device} ({dtype}), transformers generate(), batch 1, {n_spec} new tokens; "
+          f"torch {env['torch']}, transformers {env['transformers']}, commit {(env['commit'] or 'unknown')[:7]}")
     print(f"τ (tokens per target verification) = {gen.tau:.2f} over {len(gen.rounds)} draft rounds")
     print(f"plain greedy : {n_plain / t_plain:7.1f} tok/s")
     print(f"speculative  : {n_spec / t_spec:7.1f} tok/s   (speedup {t_plain / t_spec * n_spec / max(n_plain, 1):.2f}x)")

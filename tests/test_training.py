@@ -181,6 +181,10 @@ def test_trainer_runs_and_resumes(tmp_path):
                    "--carryover", "true", "--init_from", str(tmp_path / "s1" / "final")])
     metrics = json.loads((tmp_path / "s2" / "final" / "eval_metrics.json").read_text())
     assert "eval_acc_per_pos_carry" in metrics
+    # the eval-only diagnostic (carryover rows withheld at the same shifted anchors) is there, per position
+    assert len(metrics["eval_acc_per_pos_carry_withheld"]) == 3 and "eval_accept_run_carry_withheld" in metrics
+    log = json.loads((tmp_path / "s2" / "final" / "train_log.json").read_text())
+    assert not [e for e in log if "train_accept_run_carry_withheld" in e]  # training steps skip the extra forward
     trainer = main(common + ["--output_dir", str(tmp_path / "s1"), "--max_steps", "4", "--resume_from_checkpoint", "auto"])
     assert trainer.state.global_step == 4
     with pytest.raises(ValueError, match="carryover=True"):

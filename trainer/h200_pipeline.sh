@@ -6,8 +6,8 @@
 #           with its LR schedule fitted to S1_MINUTES; returns bf16 stage-1 drafters (insurance)
 #   stage2  per type (GPU 0 DFlash, GPU 1 Markov) two continuations of S2_STEPS each from the same stage-1
 #           checkpoint: baseline (stage-1 objective) and Carryover; returns the DFlash pair
-#   eval    GPU 0: τ of the four drafters (T=0 exact offline replay, T=0/1 batched engine, a time-boxed T=1
-#           generate() cross-check); GPU 1: examples/benchmark.py
+#   eval    GPU 0: a time-boxed τ cross-check through generate() itself (T=0 and T=1, GEN_LIMIT prompts);
+#           GPU 1: engine check, examples/benchmark.py, profile and 4B projection (τ proper: the `tau` phase)
 #   tau     τ of the four drafters, T=0 and T=1, batched engine in fp32 (one pair per GPU; ~4 min)
 #   fetch   returns the checkpoint parts still queued (4 x 15 MB a call)
 #   vllmstash  stashes what the call carries for the vLLM phase; carry any of these, within 64 MiB a call:
@@ -160,11 +160,11 @@ eval)
   ship  # first: a call cut at its time limit still returns them
   D=""; for t in "${TYPES[@]}"; do for v in baseline carryover; do D="$D $t-$v=$A/runs/$t-$v/final"; done; done
   P="--prompts_dir $A/prompts"; F="--dtype float32"  # τ in fp32: the exactness the tests assert
-  BENCH_DRAFTERS=${BENCH_DRAFTERS:-"dflash-baseline=$A/runs/dflash-baseline/final dflash-carryover=$A/runs/dflash-carryover/final markov-carryover=$A/runs/markov-carryover/final"}
+  BENCH_DRAFTERS=${BENCH_DRAFTERS:-$D}
   (  # GPU 1: the CUDA-graph engine check, then the wall-clock benchmark (same prompts, every method; each finished
      # row lands in bench_raw.jsonl at once), the latency-model run (eager, profiled) and the 4B projection
     export CUDA_VISIBLE_DEVICES=1
-    timeout ${CHECK_SECONDS:-80} python3 trainer/gpu_engine_check.py --out $R/gpu_engine_check.json \
+    timeout ${CHECK_SECONDS:-80} python3 trainer/gpu_engine_check.py ${CHECK_EXTRA:---compile} --out $R/gpu_engine_check.json \
       > "$L/gpu_engine_check.log" 2>&1 || log "engine check stopped: $?"
     timeout ${BENCH_SECONDS:-200} python3 examples/benchmark.py $P --drafters $BENCH_DRAFTERS --cuda_graphs \
       --datasets humaneval mtbench --limit ${BENCH_LIMIT:-5} --batch_sizes 1 4 16 ${BENCH_EXTRA:-} \
@@ -177,20 +177,12 @@ eval)
       --out $R/bench4b > "$L/bench4b.log" 2>&1 || log "4B projection stopped or skipped: $?"
   ) &
   export CUDA_VISIBLE_DEVICES=0
-  # T=0: exact offline replay of one greedy rollout per prompt (tested equal to generate()'s rounds)
-  timeout ${TAU0_SECONDS:-200} python3 examples/evaluate_tau.py $P $F ${TAU_EXTRA:-} --offline --drafters $D \
-    --datasets mtbench humaneval sharegpt --engine_batch 128 --out $R/tau0 > "$L/tau0.log" 2>&1 || log "offline tau stopped: $?"; flush
-  # T=1: the batched engine (lossless speculative sampling, tested against the target distribution)
-  timeout ${TAU1_SECONDS:-150} python3 examples/evaluate_tau.py $P $F ${TAU_EXTRA:-} --engine --drafters $D \
-    --datasets mtbench humaneval sharegpt --temperatures 1 --engine_batch 128 --out $R/tau_engine > "$L/tau_engine.log" 2>&1 \
-    || log "engine tau stopped: $?"; flush
-  # cross-check through target.generate(assistant_model=...) itself, a few prompts, T=0 and T=1
-  timeout ${GEN_SECONDS:-60} python3 examples/evaluate_tau.py $P $F ${TAU_EXTRA:-} --drafters $D --datasets mtbench \
-    --temperatures 0 1 --limit 4 --out $R/tau_gen > "$L/tau_gen.log" 2>&1 || log "generate tau stopped: $?"; flush
-  for x in tau0 tau_engine tau_gen; do
-    python3 examples/evaluate_tau.py $P --drafters $D --out $R/$x --summarize_only > /dev/null 2>&1 || true
-  done
-  log "tau done"
+  # τ itself is the `tau` phase's (batched engine, all prompts); here only the cross-check through
+  # target.generate(assistant_model=...) itself, a few prompts, T=0 and T=1
+  timeout ${GEN_SECONDS:-200} python3 examples/evaluate_tau.py $P $F ${TAU_EXTRA:-} --drafters $D --datasets mtbench \
+    --temperatures 0 1 --limit ${GEN_LIMIT:-4} --out $R/tau_gen > "$L/tau_gen.log" 2>&1 || log "generate tau stopped: $?"; flush
+  python3 examples/evaluate_tau.py $P --drafters $D --out $R/tau_gen --summarize_only > /dev/null 2>&1 || true
+  log "generate() cross-check done"
   wait
   log "eval done"
   ;;

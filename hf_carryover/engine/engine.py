@@ -132,7 +132,7 @@ class SpeculativeEngine:
             tc = self.target.config.get_text_config()
             hd = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
             kvh = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
-            cache = TargetStaticCache(tc.num_hidden_layers, b, kvh, self.max_len, hd, dtype, dev)
+            cache = TargetStaticCache(tc.num_hidden_layers, b, kvh, self.max_len, hd, dtype, dev, self._steps)
             dcache = None
             if self.drafter is not None:
                 d, dcfg = self.drafter, self.drafter.config

@@ -24,14 +24,15 @@ class TargetStaticCache:
 
     is_compileable = False
 
-    def __init__(self, num_layers, batch, kv_heads, max_len, head_dim, dtype, device):
+    def __init__(self, num_layers, batch, kv_heads, max_len, head_dim, dtype, device, key_positions=None):
         self.is_sliding = [False] * num_layers  # read by transformers' mask helpers (5.17: one flag per layer)
         shape = (batch, kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.positions: torch.Tensor | None = None
         self.max_len = max_len
-        self._keys = torch.arange(max_len, device=device)  # key positions, made once (no per-round arange)
+        # key positions `arange(max_len)`, made once (no per-round arange); the engine passes its own `_steps`
+        self._keys = key_positions if key_positions is not None else torch.arange(max_len, device=device)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # [b, n] -> [b, kv_heads, n, head_dim] index for scatter along the position axis

@@ -196,11 +196,19 @@ def stage2_loss(model, drafter, target, batch, num_anchors=128, l1_weight=0.0, b
     w = position_weights(cfg, dev)
     loss1, m1 = block_loss(logits[:, :N], labels[:, :N], ok[:, :N], w)
     loss2, m2 = block_loss(logits[:, N:], labels[:, N:], ok[:, N:], w)
+    if not drafter.training:  # eval diagnostic: the same shifted blocks with the carryover rows withheld. If these
+        # match the carry metrics, the drafter ignores its carryover states (what the 2026-11-30 ablation found)
+        with torch.no_grad():
+            h_off = draft_blocks(drafter, drafter, input_ids, feats, ctx_valid, anchors2, backend=backend)
+            lab2, ok2, prev2, _ = block_targets(input_ids, seq_len, anchors2, a2_ok, cfg.num_proposals)
+            _, m3 = block_loss(proposal_logits(drafter, h_off, prev2), lab2, ok2, position_weights(cfg, dev))
     carried = carry_valid.sum(-1).float()[a2_ok]
     metrics = {"ce": m1["ce"], "acc_per_pos": m1["acc_per_pos"], "accept_run": m1["accept_run"],
                "ce_carry": m2["ce"], "acc_per_pos_carry": m2["acc_per_pos"], "accept_run_carry": m2["accept_run"],
                "verify_accepted": float(accepted[a_ok].float().mean()) if a_ok.any() else math.nan,
                "carried_rows": float(carried.mean()) if carried.numel() else 0.0}
+    if not drafter.training:
+        metrics.update({"acc_per_pos_carry_withheld": m3["acc_per_pos"], "accept_run_carry_withheld": m3["accept_run"]})
     return loss1 + loss2, metrics
 
 
