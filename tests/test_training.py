@@ -202,3 +202,21 @@ def test_block_targets_layouts():
     assert valid[0, 0].tolist() == [True, True, False, False]
     a, v = sample_anchors(torch.tensor([2]), torch.tensor([5]), 8)
     assert a[0, v[0]].tolist() == [2, 3]
+
+
+def test_verify_argmax_rows_on_a_greedy_recording():
+    """verify_all(return_argmax=True): proposing the recorded greedy tokens themselves, every block is accepted
+    and row j's argmax is the recorded token at t+j+1 (the target's own greedy choice, computed inside the
+    block-sparse verify forward)."""
+    target = tiny_target(seed=2)
+    drafter = tiny_drafter(target)
+    batch = _recorded_batch(target, n=2, new=14)
+    ids, seq_len = batch["input_ids"], batch["seq_len"]
+    L, k = ids.shape[1], drafter.config.num_proposals
+    ctx = torch.arange(L)[None] < seq_len[:, None]
+    anchors, ok = sample_anchors(batch["prompt_len"], seq_len - k - 1, 4, torch.Generator().manual_seed(0))
+    labels, _, _, _ = block_targets(ids, seq_len, anchors, ok, k)
+    acc, _, arg = verify_all(target, drafter, ids, ctx, seq_len, anchors, ok, labels, return_argmax=True)
+    assert ok.any() and bool((acc[ok] == k).all())
+    nxt = ids.gather(1, (anchors[:, :, None] + torch.arange(1, k + 2)).clamp(max=L - 1).flatten(1)).view_as(arg)
+    assert torch.equal(arg[ok], nxt[ok])

@@ -131,11 +131,13 @@ def greedy_proposals(drafter, hidden, anchor_tokens):
 
 
 @torch.no_grad()
-def verify_all(target, drafter, input_ids, ctx_valid, seq_len, anchors, anchor_valid, proposals):
+def verify_all(target, drafter, input_ids, ctx_valid, seq_len, anchors, anchor_valid, proposals,
+               return_argmax: bool = False):
     """One target forward verifying every anchor's `[x_t, d_1..d_k]` against the recorded prefix.
 
     Returns accepted lengths `a [b, N]` (leading proposals equal to the recorded tokens) and the tapped
-    features of verify rows 1..k `[b, N, k, n*d]` at positions t+1..t+k (row j's input is d_j).
+    features of verify rows 1..k `[b, N, k, n*d]` at positions t+1..t+k (row j's input is d_j); with
+    `return_argmax`, also the target's argmax at every verify row `[b, N, k+1]` (row j predicts position t+j+1).
     """
     b, L = input_ids.shape
     N, k = proposals.shape[1], proposals.shape[2]
@@ -148,6 +150,8 @@ def verify_all(target, drafter, input_ids, ctx_valid, seq_len, anchors, anchor_v
     feats = drafter.target_features(out.hidden_states, slice(L, None)).view(b, N, k + 1, -1)[:, :, 1:]
     recorded, ok, _, _ = block_targets(input_ids, seq_len, anchors, anchor_valid, k)
     accepted = torch.cumprod((proposals == recorded).long() * ok.long(), dim=-1).sum(-1)
+    if return_argmax:
+        return accepted, feats, out.logits[:, L:].argmax(-1).view(b, N, k + 1)
     return accepted, feats
 
 
