@@ -72,20 +72,21 @@ def main():
             a2 = torch.where(ok, anchors2, anchors)
             h2 = draft_blocks(drafter, drafter, ids, feats, ctx, a2)  # the next draft, without carryover
             d2 = greedy_proposals(drafter, h2, ids.gather(1, a2))[..., 0]
-            truth = ids.gather(1, (a2 + 1).clamp(max=L - 1))
-            row = row_arg.gather(2, (acc + 1).clamp(max=k)[..., None])[..., 0]  # row a+1 predicts t+a+2
-            row_right, dr_right = (row == truth) & ok, (d2 == truth) & ok
-            n["rejections"] += int(ok.sum())
-            n["row_right"] += int(row_right.sum())
-            n["drafter_right"] += int(dr_right.sum())
-            n["headroom"] += int((row_right & ~dr_right).sum())
             for off in range(k):  # row a+1+off about position t+a+2+off
                 j = acc + 1 + off
                 pos = anchors + j + 1
                 valid = ok & (j <= k) & (pos < seq_len[:, None])
                 pred = row_arg.gather(2, j.clamp(max=k)[..., None])[..., 0]
-                later_hit[off] += float(((pred == ids.gather(1, pos.clamp(max=L - 1))) & valid).sum())
+                hit = (pred == ids.gather(1, pos.clamp(max=L - 1))) & valid
+                if off == 0:  # row a+1 about t+a+2: what the next block's first proposal must be
+                    row_right, truth = hit, ids.gather(1, pos.clamp(max=L - 1))
+                later_hit[off] += float(hit.sum())
                 later_n[off] += float(valid.sum())
+            dr_right = (d2 == truth) & ok
+            n["rejections"] += int(ok.sum())
+            n["row_right"] += int(row_right.sum())
+            n["drafter_right"] += int(dr_right.sum())
+            n["headroom"] += int((row_right & ~dr_right).sum())
             print(f"{min(i + args.batch, len(data))}/{len(data)} responses, {n['rejections']} rejections", flush=True)
     r = max(n["rejections"], 1)
     res = {"command": " ".join(["python"] + sys.argv), "environment": environment(), "drafter": args.drafter,

@@ -195,17 +195,17 @@ tau)  # τ of the four drafters at T=0 and T=1 through the batched engine (fp32)
       --dtype float32 --engine --engine_batch 128 --drafters "$@" --datasets mtbench humaneval sharegpt \
       --temperatures 0 1 ${TAU_EXTRA:-} --out $R/tau_engine_$n > $R/tau_engine_$n.log 2>&1
   }
-  if [ ${#TYPES[@]} = 1 ]; then t=${TYPES[0]}  # one drafter per GPU
-    tau_run 0 $t-baseline $t-baseline=$A/runs/$t-baseline/final &
-    tau_run 1 $t-carryover $t-carryover=$A/runs/$t-carryover/final &
-  else for i in "${!TYPES[@]}"; do t=${TYPES[$i]}
-    tau_run $i $t $t-baseline=$A/runs/$t-baseline/final $t-carryover=$A/runs/$t-carryover/final &
-  done; fi
+  # groups "NAME:drafter...": one type -> one drafter per GPU; two types -> one pair per GPU
+  groups=(); for t in "${TYPES[@]}"; do
+    if [ ${#TYPES[@]} = 1 ]; then groups+=("$t-baseline:$t-baseline" "$t-carryover:$t-carryover")
+    else groups+=("$t:$t-baseline $t-carryover"); fi
+  done
+  for i in "${!groups[@]}"; do D=""; for d in ${groups[$i]#*:}; do D="$D $d=$A/runs/$d/final"; done
+    tau_run $i ${groups[$i]%%:*} $D &
+  done
   wait
-  summarize() { python3 examples/evaluate_tau.py --out $R/tau_engine_$1 --summarize_only --drafters "${@:2}" | tail -6 || true; }
-  for t in "${TYPES[@]}"; do
-    if [ ${#TYPES[@]} = 1 ]; then summarize $t-baseline $t-baseline=x; summarize $t-carryover $t-carryover=x
-    else summarize $t $t-baseline=x $t-carryover=x; fi
+  for g in "${groups[@]}"; do D=""; for d in ${g#*:}; do D="$D $d=x"; done
+    python3 examples/evaluate_tau.py --out $R/tau_engine_${g%%:*} --summarize_only --drafters $D | tail -6 || true
   done
   ;;
 fetch)  # the parts still queued, 4 a call

@@ -49,6 +49,9 @@ class ScriptArguments:
                                        "steps and shorten the LR schedule so it ends (decayed) at the deadline."})
 
 
+CALIBRATE = (50, 150)  # steps timed from [0] on; first schedule fit at [1] (the warm-up must be over by then)
+
+
 class TimeLimit(TrainerCallback):
     """Stops (and checkpoints) a run that outlives its time budget; the log says it stopped early.
 
@@ -61,7 +64,7 @@ class TimeLimit(TrainerCallback):
     ranks agree on one count (the minimum) and one stop.
     """
 
-    def __init__(self, minutes: float, fit_schedule: bool = False, calibrate=(50, 150), refit_every: int = 250,
+    def __init__(self, minutes: float, fit_schedule: bool = False, calibrate=CALIBRATE, refit_every: int = 250,
                  reserve: float = 0.05, clock=time.time):
         self.clock = clock
         self.deadline = clock() + 60 * minutes
@@ -96,7 +99,7 @@ class TimeLimit(TrainerCallback):
             control.should_save = True
 
 
-def warmup_for_time_fit(args, calibrate=(50, 150)) -> None:
+def warmup_for_time_fit(args, calibrate=CALIBRATE) -> None:
     """A warm-up *ratio* means a share of `max_steps`, but a time-fitted run stops far earlier (20000 planned,
     1029 run on the H200 on 2026-11-29: 800 warm-up steps, so LR peaked at step 800 of 1029 and most of the
     run trained at a fraction of it). With the fit, warm-up becomes absolute and ends by the first fit."""

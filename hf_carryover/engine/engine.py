@@ -286,14 +286,14 @@ class SpeculativeEngine:
         st.reset(anchor, plen, eos)
 
         graph, self.last_mode = self._graph(st, dev, do_sample)
-        if graph is None and self._compiled_round is not None and self._round_fn(do_sample) is self._compiled_round:
+        step = self._round_fn(do_sample)
+        if graph is None and step is self._compiled_round:
             self.last_mode += " +compile"
         if graph is not None:
             while not bool(st.done.all()):  # the one host sync per round
                 graph.replay()
         else:
             clock = _Clock(self.profile, dev, self.timing)
-            step = self._round_fn(do_sample)
             while not bool(st.done.all()):  # the one host sync per round (outputs stay on the device)
                 step(st, do_sample, temperature, gen, clock)
         log = st.accepted[:, : int(st.round)].tolist()

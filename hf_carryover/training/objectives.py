@@ -205,7 +205,7 @@ def stage2_loss(model, drafter, target, batch, num_anchors=128, l1_weight=0.0, b
         with torch.no_grad():
             h_off = draft_blocks(drafter, drafter, input_ids, feats, ctx_valid, anchors2, backend=backend)
             lab2, ok2, prev2, _ = block_targets(input_ids, seq_len, anchors2, a2_ok, cfg.num_proposals)
-            _, m3 = block_loss(proposal_logits(drafter, h_off, prev2), lab2, ok2, position_weights(cfg, dev))
+            _, m3 = block_loss(proposal_logits(drafter, h_off, prev2), lab2, ok2, w)
     carried = carry_valid.sum(-1).float()[a2_ok]
     metrics = {"ce": m1["ce"], "acc_per_pos": m1["acc_per_pos"], "accept_run": m1["accept_run"],
                "ce_carry": m2["ce"], "acc_per_pos_carry": m2["acc_per_pos"], "accept_run_carry": m2["accept_run"],
