@@ -185,6 +185,11 @@ def test_trainer_runs_and_resumes(tmp_path):
     assert len(metrics["eval_acc_per_pos_carry_withheld"]) == 3 and "eval_accept_run_carry_withheld" in metrics
     log = json.loads((tmp_path / "s2" / "final" / "train_log.json").read_text())
     assert not [e for e in log if "train_accept_run_carry_withheld" in e]  # training steps skip the extra forward
+    # continuing from a bf16 folder (a shipped or packed drafter) trains fp32 master weights, not bf16 ones
+    Drafter.from_pretrained(tmp_path / "s1" / "final", dtype=torch.bfloat16).save_pretrained(tmp_path / "s1_bf16")
+    cont = main(common + ["--output_dir", str(tmp_path / "s1c"), "--max_steps", "1",
+                          "--init_from", str(tmp_path / "s1_bf16")])
+    assert {p.dtype for p in cont.model.parameters()} == {torch.float32}
     trainer = main(common + ["--output_dir", str(tmp_path / "s1"), "--max_steps", "4", "--resume_from_checkpoint", "auto"])
     assert trainer.state.global_step == 4
     with pytest.raises(ValueError, match="carryover=True"):

@@ -91,9 +91,16 @@ stash)
   python3 -c "import torch, transformers, accelerate; print(torch.__version__, transformers.__version__, accelerate.__version__)" | tee -a "$R/gpu.txt"
   log "stashed: $(du -sh $A/part00 | cut -f1) GGUF part, $(cat $A/data/train/*/shard-*.jsonl | wc -l) train responses"
   ;;
+stashinit)  # carries .init/NAME (a bf16 drafter folder, ~24 MB) for train1's S1_INIT, with assets/prompts
+  for d in .init/*/; do rm -rf "$A/init/$(basename $d)" && mkdir -p "$A/init" && cp -r "$d" "$A/init/" \
+    && log "stashed init drafter $(basename $d)"; done
+  [ -d assets/prompts ] && rm -rf "$A/prompts" && cp -r assets/prompts "$A/prompts" && log "stashed prompts"
+  ;;
 train1)
   join_gguf
-  cp -r assets/prompts "$A/prompts"
+  [ -d assets/prompts ] && rm -rf "$A/prompts" && cp -r assets/prompts "$A/prompts"
+  # S1_INIT=NAME: continue stage 1 from ~/assets/init/NAME (stashinit), e.g. the previous run's stage-1 drafter
+  INIT=""; [ -n "${S1_INIT:-}" ] && INIT="--init_from $A/init/$S1_INIT"
   python3 -c "from hf_carryover.reference import reference_target as r; r()" 2>&1 | tail -2
   log "target converted"
   if [ ${#TYPES[@]} = 1 ]; then  # one type, both GPUs: data-parallel stage 1 (global batch 2 x per-device)
@@ -101,13 +108,13 @@ train1)
     accelerate launch --num_processes 2 ${DDP_FLAGS:---multi_gpu} --main_process_port 29511 trainer/train.py \
       --config trainer/configs/smollm2_stage1.json --drafter_type $typ $L1 --data_dir $A/data/train \
       --eval_data_dir $A/data/eval --output_dir $A/runs/$typ-stage1 --max_steps 20000 --max_minutes $S1_MINUTES \
-      --fit_schedule_to_time true ${TRAIN_EXTRA:-} > "$L/train_$typ-stage1.log" 2>&1 &
+      --fit_schedule_to_time true $INIT ${TRAIN_EXTRA:-} > "$L/train_$typ-stage1.log" 2>&1 &
   else for i in 0 1; do
     typ=${TYPES[$i]}
     L1=""; [ "$typ" = markov ] && L1="--l1_weight 0.9"  # DSpark: 0.1 CE + 0.9 ||p_draft - p_target||_1
     CUDA_VISIBLE_DEVICES=$i python3 trainer/train.py --config trainer/configs/smollm2_stage1.json \
       --drafter_type $typ $L1 --data_dir $A/data/train --eval_data_dir $A/data/eval \
-      --output_dir $A/runs/$typ-stage1 --max_steps 20000 --max_minutes $S1_MINUTES --fit_schedule_to_time true ${TRAIN_EXTRA:-} \
+      --output_dir $A/runs/$typ-stage1 --max_steps 20000 --max_minutes $S1_MINUTES --fit_schedule_to_time true $INIT ${TRAIN_EXTRA:-} \
       > "$L/train_$typ-stage1.log" 2>&1 &
   done; fi
   wait
@@ -253,7 +260,17 @@ vllm)
       ${ENGINE_D:+--drafters $ENGINE_D} --methods engine_ar engine --cuda_graphs ${ENGINE_FLAGS:-} $B > "$L/bench_engine.log" 2>&1 \
       || log "engine bench stopped: $?"
   }
-  if [ "$ngpu" -ge 2 ]; then engine_bench 1 300 & vllm_bench 450; wait
+  gpu1_extra() {  # after the engine rows on GPU 1 (VLLM_GPU1_EXTRA=1): compile exactness in fp32 on a random
+    # SmolLM2-shaped target, then the Qwen3-4B-shaped timing projection
+    CUDA_VISIBLE_DEVICES=1 timeout ${CHECK_SECONDS:-150} python3 trainer/gpu_engine_check.py --compile --dtypes fp32 \
+      --batch_sizes 1 --out $R/gpu_engine_check_fp32.json > "$L/gpu_engine_check.log" 2>&1 || log "engine check stopped: $?"
+    flush
+    CUDA_VISIBLE_DEVICES=1 timeout 90 python3 examples/benchmark.py --prompts_dir $A/prompts --target qwen3-4b-random \
+      --random_drafter --datasets mtbench --limit 2 --max_new_tokens 128 --methods engine_ar engine --profile \
+      --out $R/bench4b > "$L/bench4b.log" 2>&1 || log "4B projection stopped: $?"
+  }
+  if [ "$ngpu" -ge 2 ]; then
+    (engine_bench 1 ${ENGINE_BOX:-300}; flush; [ "${VLLM_GPU1_EXTRA:-0}" = 1 ] && gpu1_extra) & vllm_bench 450; wait
   else vllm_bench 330; flush; engine_bench 0 150; fi
   python3 examples/results_tables.py --bench $R/bench/bench_raw.jsonl > $R/bench_table.md 2>&1 || true
   cat $R/bench_table.md

@@ -162,7 +162,9 @@ def load_target(script: ScriptArguments):
 
 def build_drafter(script: ScriptArguments, target):
     if script.init_from:
-        drafter = Drafter.from_pretrained(script.init_from, carryover=script.carryover)
+        # fp32 master weights whatever the folder holds: a shipped or packed drafter is bf16, and transformers 5
+        # loads it as stored; training it in bf16 would drop Adam's small updates (bf16 autocast computes anyway)
+        drafter = Drafter.from_pretrained(script.init_from, carryover=script.carryover, dtype=torch.float32)
         drafter.bind_target(target)  # fails loudly on a mismatched target
         return drafter
     mask_id = script.mask_token_id

@@ -107,6 +107,10 @@ class SpeculativeEngine:
         self.profile = profile
         self.compile = compile
         self._compiled_round = torch.compile(self._round, dynamic=False) if compile else None
+        if compile:  # every engine and batch shape recompiles the round; past dynamo's limit (8) it would quietly
+            cfg = torch._dynamo.config  # fall back to eager while last_mode still said "+compile"
+            name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+            setattr(cfg, name, max(getattr(cfg, name), 64))
         self.cuda_graphs = cuda_graphs
         self.last_mode: str | None = None
         self.timing = {"draft": 0.0, "verify": 0.0, "other": 0.0, "rounds": 0}
