@@ -15,6 +15,7 @@
 #           HF drafter folders, ~25 MB each in bf16, e.g. runs/h200v2/pack/dflash-baseline), .device/p1 and
 #           assets/prompts (a fresh machine's GGUF half and prompts). Make the bundle on a networked machine with
 #           `bash ../shared/tools/make_vllm_bundle.sh .vllm/bundle`; /.vllm/ is git-ignored.
+#   engine  compiled-engine benchmark rows on both GPUs without vLLM (E0, E1: see the phase)
 #   vllm    vLLM 0.26 against our engine on the same prompts, target weights and settings (GPU 0: examples/bench_vllm.py,
 #           GPU 1 or after it: benchmark.py engine rows), both appending to results/vllm/bench/bench_raw.jsonl. Needs
 #           vllmstash's install and the converted target (train1), or .device/p2 + .whl carried to convert it here.
@@ -275,6 +276,23 @@ vllm)
   python3 examples/results_tables.py --bench $R/bench/bench_raw.jsonl > $R/bench_table.md 2>&1 || true
   cat $R/bench_table.md
   log "vllm done"
+  ;;
+engine)  # compiled-engine rows only (no vLLM), two jobs on two GPUs, e.g. the rows a `vllm` call's time box cut:
+  # E0/E1="METHODS|DRAFTERS|DATASETS" (DRAFTERS from ~/assets/drafters, stashed by vllmstash carrying .vllm/drafters)
+  [ -f "$A/cache/SmolLM2-135M-Instruct/hf_carryover_source.json" ] || [ -f "$A/smollm2.gguf" ] || join_gguf
+  S=$A/serve; [ -d "$S/target" ] || python3 -c "from hf_carryover.reference import save_reference_for_serving as s; s('$S/target')"
+  ejob() {  # ejob GPU "METHODS|DRAFTERS|DATASETS"
+    IFS='|' read -r m d ds <<< "$2"; D=""; for n in $d; do D="$D $n=$A/drafters/$n"; done
+    CUDA_VISIBLE_DEVICES=$1 timeout ${ENGINE_BOX:-300} python3 examples/benchmark.py --target $S/target --prompts_dir $A/prompts \
+      --methods $m ${D:+--drafters $D} --datasets $ds --limit ${VLLM_LIMIT:-10} --max_new_tokens ${VLLM_MAX_NEW:-256} \
+      --batch_sizes ${VLLM_BATCHES:-1 8} --cuda_graphs ${ENGINE_FLAGS:-} --out $R/bench_gpu$1 > "$L/bench_gpu$1.log" 2>&1 \
+      || log "engine job on GPU $1 stopped: $?"
+    flush
+  }
+  ejob 0 "$E0" & ejob 1 "$E1"; wait
+  cat $R/bench_gpu*/bench_raw.jsonl > $R/bench_raw.jsonl
+  python3 examples/results_tables.py --bench $R/bench_raw.jsonl > $R/bench_table.md 2>&1 || true
+  cat $R/bench_table.md
   ;;
 esac
 ls -la "$OUT"
