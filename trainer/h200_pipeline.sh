@@ -285,12 +285,12 @@ engine)  # compiled-engine rows only (no vLLM), two jobs on two GPUs, e.g. the r
     IFS='|' read -r m d ds <<< "$2"; D=""; for n in $d; do D="$D $n=$A/drafters/$n"; done
     CUDA_VISIBLE_DEVICES=$1 timeout ${ENGINE_BOX:-300} python3 examples/benchmark.py --target $S/target --prompts_dir $A/prompts \
       --methods $m ${D:+--drafters $D} --datasets $ds --limit ${VLLM_LIMIT:-10} --max_new_tokens ${VLLM_MAX_NEW:-256} \
-      --batch_sizes ${VLLM_BATCHES:-1 8} --cuda_graphs ${ENGINE_FLAGS:-} --out $R/bench_gpu$1 > "$L/bench_gpu$1.log" 2>&1 \
+      --batch_sizes ${VLLM_BATCHES:-1 8} --cuda_graphs ${ENGINE_FLAGS:-} --out $OUT/engine_gpu$1 > "$L/bench_gpu$1.log" 2>&1 \
       || log "engine job on GPU $1 stopped: $?"
     flush
   }
   ejob 0 "$E0" & ejob 1 "$E1"; wait
-  cat $R/bench_gpu*/bench_raw.jsonl > $R/bench_raw.jsonl
+  cat $OUT/engine_gpu*/bench_raw.jsonl > $R/bench_raw.jsonl  # rows land in $OUT as they finish
   python3 examples/results_tables.py --bench $R/bench_raw.jsonl > $R/bench_table.md 2>&1 || true
   cat $R/bench_table.md
   ;;
