@@ -51,3 +51,14 @@ def test_card_tau_comes_from_a_results_file(folder):
             if r["drafter"] == key:
                 stored.add(round(r["tau"], 3))
     assert len(card) == 6 and set(card) <= stored, (card, sorted(stored))
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.name)
+def test_remote_code_matches_the_package(folder):
+    """The folder's remote code is what users run; it must be the package's current code, or a fix to
+    hf_carryover would not reach `trust_remote_code=True` users. Re-save the folder (`save_pretrained`) after
+    changing these files."""
+    for name in ("modeling_drafter.py", "configuration_drafter.py", "generation_carryover.py"):
+        shipped = (folder / name).read_text()
+        assert shipped == (ROOT / "hf_carryover" / name).read_text(), (
+            f"{folder.name}/{name} differs from hf_carryover/{name}: re-save the folder with save_pretrained")

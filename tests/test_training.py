@@ -157,6 +157,28 @@ def test_training_carryover_equals_inference_carryover(typ):
         torch.testing.assert_close(vfeats[0, n, a: a + n_rej], r["features"][0], atol=1e-5, rtol=1e-4)
         assert a + n_rej <= k
 
+    # and the drafts themselves: stage 2's second draft at the shifted anchor t+a+1, with these rows as carryover,
+    # proposes what generate()'s drafter proposed in the round that received them (states equal is not enough:
+    # the rows' visibility and positions inside the drafter must match too)
+    idx = [r for r in range(1, len(rec)) if rec[r]["features"] is not None]
+    anchors2 = anchors + accepted + 1
+    j = torch.arange(1, k + 1)
+    carry_valid = j[None, None] > accepted[:, :, None]
+    feats, _ = target_pass(target, drafter, seq, ctx_valid, need_logits=False)
+    with torch.no_grad():
+        hidden = draft_blocks(drafter, drafter, seq, feats, ctx_valid, torch.cat([anchors, anchors2], 1),
+                              carry=vfeats.flatten(1, 2), carry_pos=(anchors[:, :, None] + j).flatten(1),
+                              carry_valid=carry_valid.flatten(1), k=k, carry_offset=anchors.shape[1])
+        second = greedy_proposals(drafter, hidden[:, anchors.shape[1]:], seq.gather(1, anchors2))
+    checked = 0
+    for n, r in enumerate(idx):
+        if r >= len(gen.rounds):  # the last call, with no room left to draft
+            continue
+        toks = gen.rounds[r]["tokens"]  # the proposals drafted with round r's carryover rows
+        checked += 1
+        assert second[0, n, : len(toks)].tolist() == toks, (n, second[0, n].tolist(), toks)
+    assert checked >= 2
+
 
 def test_trainer_runs_and_resumes(tmp_path):
     """CPU: a tiny stage-1 run through `trainer/train.py`, then stage 2 from its output, then a resume."""

@@ -2,6 +2,7 @@
 # The H200 runs of the reference drafters on `nvidia-h200-x2` (2 GPUs), one phase per device call. The machine
 # goes back 30 s after a call, so each phase is issued as soon as the previous one returns:
 #   stash   carries GGUF part 1 and the regenerated responses to ~/assets
+#   stashinit  carries .init/NAME (a drafter folder) for train1's S1_INIT=NAME: stage 1 continues from it
 #   train1  joins the GGUF (md5-checked), converts it, trains stage 1: DFlash on GPU 0, Markov on GPU 1, each
 #           with its LR schedule fitted to S1_MINUTES; returns bf16 stage-1 drafters (insurance)
 #   stage2  per type (GPU 0 DFlash, GPU 1 Markov) two continuations of S2_STEPS each from the same stage-1
@@ -26,6 +27,9 @@
 # Run of 2026-11-30 (examples/results/h200-2026-11-30/): stash; TYPES=dflash S1_MINUTES=6 train1 (stage 1 on both GPUs);
 # TYPES=dflash S2_MINUTES=4 stage2 + tau in one call; vllmstash + vllm (VLLM_DRAFTERS=dflash-baseline
 # ENGINE_ONLY=dflash-carryover) in one call carrying only .vllm/bundle; ~28 device-minutes with an inline benchmark.
+# Second run of 2026-11-30 (examples/results/h200-2026-11-30b/): stash; stashinit (.init/dflash-stage1); TYPES=dflash
+# S1_MINUTES=6 S1_INIT=dflash-stage1 train1; stage2 (S2_MINUTES=3.5) + tau in one call; vllmstash; vllm with
+# ENGINE_FLAGS=--compile VLLM_GPU1_EXTRA=1; engine (the compiled rows vllm's box cut); ~28 device-minutes.
 # With drafter weights committed in model_cards/, run `bash trainer/device_tree.sh light` before the calls.
 # Checkpoints: stage2 packs all four drafters in bf16 and queues them as tar parts (DFlash pair first); each call
 # ships the oldest 4 parts.
