@@ -4,13 +4,14 @@
 
 Both files are `examples/evaluate_tau.py` raw records (one line per drafter, dataset, temperature and prompt, each
 with its `accepted` list). At T=0 in fp32 the two paths must accept the same number of drafts in every round but
-possibly each prompt's last (near max_new_tokens the engine still verifies a full block, generate() may draft
-fewer), so τ measured through the engine stands for τ measured through generate(). Prints and stores, per
-drafter and dataset, how many prompts match exactly and both τ values.
+possibly each prompt's last (near max_new_tokens the engine still verifies a full block, while generate() drafts
+fewer tokens or skips the last round), so τ measured through the engine stands for τ measured through generate().
+Prints and stores, per drafter and dataset, how many prompts match that way and both τ values.
 """
 
 import argparse
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -43,13 +44,14 @@ def main():
         g = groups[f"{key[0]}|{key[1]}|T={key[2]}"]
         ra, rb = a[key], b[key]
         g["prompts"] += 1
-        same = len(ra) == len(rb) and ra[:-1] == rb[:-1]
+        m = min(len(ra), len(rb))  # near max_new_tokens generate() drafts fewer tokens, or none (no last round)
+        same = abs(len(ra) - len(rb)) <= 1 and ra[: m - 1] == rb[: m - 1]
         g["same_rounds"] += same
         if not same:
             g["differing_ids"].append(key[3])
         g["a"].append(ra)
         g["b"].append(rb)
-    summary = {"a": args.a, "b": args.b, "groups": {}}
+    summary = {"command": " ".join(["python"] + sys.argv), "a": args.a, "b": args.b, "groups": {}}
     for name, g in groups.items():
         summary["groups"][name] = {"prompts": g["prompts"], "same_rounds_but_last": g["same_rounds"],
                                    "tau_a": tau(g["a"]), "tau_b": tau(g["b"]), "differing_ids": g["differing_ids"]}

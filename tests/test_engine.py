@@ -71,6 +71,53 @@ def test_rounds_equal_generate_with_a_good_drafter(typ, carryover):
     assert engine.tau > 2.0, engine.tau
 
 
+@pytest.mark.parametrize("typ", ["dflash", "markov"])
+def test_rounds_equal_generate_after_a_drafted_eos(typ):
+    """A draft that contains EOS mid-sequence (rejected there): generate() crops the draft after the EOS, so it
+    verifies and carries fewer rows. The engine must do the same, or a Carryover drafter's next round differs
+    (seen on the real target: one ShareGPT prompt of the 2026-11-30b cross-check)."""
+    target = build_target("llama", seed=5)
+    drafter = build_drafter(target, typ, True)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 90, (3 + n,), generator=g).tolist() for n in range(4)]
+    max_new = 40
+    refs = _greedy_refs(target, prompts, max_new)
+    overfit(drafter, target, [(len(p), p + r, max_new) for p, r in zip(prompts, refs)], steps=25)
+    drafter.record_carryover = True
+    candidates = {}  # token -> how many mid-sequence drafts it appears in after the accepted prefix
+    for p in prompts:
+        target.generate(torch.tensor([p]), assistant_model=drafter, max_new_tokens=max_new, do_sample=False)
+        for r in drafter.last_candidate_generator.rounds[:-1]:
+            for t in set(r["tokens"][r["accepted"] + 1 :]):
+                candidates[t] = candidates.get(t, 0) + 1
+    assert candidates, "the drafter's drafts were never rejected"
+    emitted = {t for r in refs for t in r}  # prefer an EOS the target never emits: then no row stops early
+    eos = max(candidates, key=lambda t: (t not in emitted, candidates[t]))
+    refs = _greedy_refs(target, prompts, max_new, eos=eos)
+    online, online_rows = [], []
+    for p in prompts:
+        target.generate(torch.tensor([p]), assistant_model=drafter, max_new_tokens=max_new, do_sample=False,
+                        eos_token_id=eos)
+        gen = drafter.last_candidate_generator
+        online.append([r["accepted"] for r in gen.rounds])
+        online_rows.append([0 if c["features"] is None else c["features"].shape[1] for c in gen.rounds_carryover])
+    engine = SpeculativeEngine(target, drafter, max_len=128)
+    carried = []  # per engine round: carryover rows each batch row hands its drafter
+    draft = engine._draft
+
+    def spy(*args):
+        carried.append(args[5].sum(1).tolist())  # carry_valid [b, k]
+        return draft(*args)
+
+    engine._draft = spy
+    assert engine.generate(prompts, max_new_tokens=max_new, eos_token_id=eos) == refs
+    for r in range(len(prompts)):
+        n = len(engine.rounds[r])
+        assert engine.rounds[r][:-1] == online[r][: n - 1], (r, engine.rounds[r], online[r])
+        m = min(n, len(online[r])) - 1  # near max_new_tokens generate() drafts fewer (or no) tokens: its last round
+        assert [c[r] for c in carried[:m]] == online_rows[r][:m], r  # the same carryover rows, round by round
+
+
 @pytest.mark.parametrize("typ", ["dflash", "markov", None])
 def test_sampling_matches_target_distribution(typ):
     """Chi-square two-sample tests at alpha = 0.001 (per position and adjacent pairs), as in test_sampling.py:

@@ -171,7 +171,7 @@ def test_compare_rounds(tmp_path):
         return str(path)
 
     a = raw(tmp_path / "a.jsonl", [(1, [3, 0, 2]), (2, [1, 1]), (3, [0, 4])])
-    b = raw(tmp_path / "b.jsonl", [(1, [3, 0, 5]), (2, [1, 2]), (3, [4, 0])])
+    b = raw(tmp_path / "b.jsonl", [(1, [3, 0, 5, 1]), (2, [1, 2]), (3, [4, 0])])  # 1: one more last round
     out = tmp_path / "cmp.json"
     res = subprocess.run([sys.executable, str(ROOT / "examples" / "compare_rounds.py"), a, b, "--out", str(out)],
                          capture_output=True, text=True)

@@ -11,7 +11,9 @@ from hf_carryover.training.data import ResponseCollator, ResponseDataset, regene
 from hf_carryover.training.masks import dense_drafter_mask, verify_mask
 from hf_carryover.training.objectives import (
     block_targets,
+    carryover_rows_valid,
     draft_blocks,
+    eos_ids_of,
     greedy_proposals,
     sample_anchors,
     stage1_loss,
@@ -123,15 +125,27 @@ def test_loss_decreases_and_every_parameter_changes(typ):
     assert not unchanged, unchanged
 
 
+@pytest.mark.parametrize("with_eos", [False, True])
 @pytest.mark.parametrize("typ", ["dflash", "markov"])
-def test_training_carryover_equals_inference_carryover(typ):
+def test_training_carryover_equals_inference_carryover(typ, with_eos):
     """fp32: the rejected-row states stage 2 computes for an anchor and its proposal (one verify forward for all
-    anchors, block-sparse mask) equal what generate() hands the drafter for the same prefix and proposal."""
+    anchors, block-sparse mask) equal what generate() hands the drafter for the same prefix and proposal.
+    with_eos: the EOS is a token the drafter drafts (and the target rejects) mid-sequence, so generate() crops
+    those drafts after it; stage 2's carryover rows must stop there too."""
     target = tiny_target(seed=3)
     drafter = tiny_drafter(target, typ)
     drafter.record_carryover = True
     prompt = torch.randint(1, 60, (1, 6), generator=torch.Generator().manual_seed(7))
-    seq = target.generate(prompt, assistant_model=drafter, max_new_tokens=40, do_sample=False, eos_token_id=None,
+    eos = None
+    if with_eos:  # the most often drafted token past an accepted prefix that the target never emits
+        seq = target.generate(prompt, assistant_model=drafter, max_new_tokens=40, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        emitted = set(seq[0, prompt.shape[1]:].tolist())
+        drafted = [t for r in drafter.last_candidate_generator.rounds[:-1] for t in r["tokens"][r["accepted"] + 1:]
+                   if t not in emitted]
+        eos = max(set(drafted), key=drafted.count)
+    target.generation_config.eos_token_id = eos  # what stage 2 reads (eos_ids_of)
+    seq = target.generate(prompt, assistant_model=drafter, max_new_tokens=40, do_sample=False, eos_token_id=eos,
                           pad_token_id=0)
     gen = drafter.last_candidate_generator
     rec = gen.rounds_carryover
@@ -163,7 +177,9 @@ def test_training_carryover_equals_inference_carryover(typ):
     idx = [r for r in range(1, len(rec)) if rec[r]["features"] is not None]
     anchors2 = anchors + accepted + 1
     j = torch.arange(1, k + 1)
-    carry_valid = j[None, None] > accepted[:, :, None]
+    carry_valid = carryover_rows_valid(proposals, accepted, eos_ids_of(target))  # as stage2_loss computes them
+    if with_eos:
+        assert not torch.equal(carry_valid, j[None, None] > accepted[:, :, None]), "no draft was cropped at EOS"
     feats, _ = target_pass(target, drafter, seq, ctx_valid, need_logits=False)
     with torch.no_grad():
         hidden = draft_blocks(drafter, drafter, seq, feats, ctx_valid, torch.cat([anchors, anchors2], 1),

@@ -7,7 +7,8 @@ Every round, for all b rows at once:
      position-indexed static cache (`TargetStaticCache`) and a by-position causal mask;
   3. per row: greedy acceptance (leading matches of the target's argmax) or lossless speculative sampling;
   4. the drafter's context cache receives all k+1 verified rows at their positions (rows past the accepted
-     prefix stay invisible and are overwritten later); rows a+1..k become the next round's carryover.
+     prefix stay invisible and are overwritten later); rows a+1..k become the next round's carryover (rows past a
+     drafted EOS excepted: generate() never verifies those).
 No tensor changes shape between rounds; rollback is moving a row's position. Without a drafter the same loop
 is plain autoregressive decoding (k = 0). A round reads and writes only the static tensors of a `DecodeState`
 (and the caches) in place, so the same code runs eagerly and, with `cuda_graphs=True` and greedy decoding on
@@ -227,10 +228,19 @@ class SpeculativeEngine:
         clock.lap("verify")
         a, nxt = self._accept(drafts, q, logits, do_sample, temperature, gen)
         done, n_out = st.done, st.n_out  # this round's inputs; the new values are copied in at the end
+        # generate() crops a draft after its first EOS and never verifies the rest: it neither counts acceptance
+        # past it nor carries those rows. The same rule here keeps the logged rounds and a Carryover drafter's next
+        # round equal to generate()'s (the emitted tokens stop at the EOS either way)
+        if drafts.shape[1]:  # a static shape: the same branch in every round
+            drafted_eos = _is_eos(drafts, st.eos)  # [b, k]
+            n_drafted = torch.where(drafted_eos.any(1), drafted_eos.long().argmax(1) + 1, torch.full_like(a, k))
+        else:  # plain autoregressive decoding drafts nothing
+            n_drafted = torch.zeros_like(a)
         if self.drafter is not None:
             st.dcache.write(self.drafter, self.drafter.fuse(feats), bpos)
             st.carry.copy_(feats[:, 1:])
-            st.carry_valid.copy_((steps[1 : k + 1][None] > a[:, None]) & ~done[:, None])
+            j = steps[1 : k + 1][None]
+            st.carry_valid.copy_((j > a[:, None]) & (j <= n_drafted[:, None]) & ~done[:, None])
             st.carry_pos.copy_(bpos[:, 1:])
         emitted = torch.cat([drafts, torch.zeros_like(nxt)[:, None]], 1)
         emitted.scatter_(1, a[:, None], nxt[:, None])  # accepted drafts, then the correction/bonus
@@ -243,7 +253,8 @@ class SpeculativeEngine:
         slots = (n_out[:, None] + idx).clamp(max=st.cap - 1)
         st.out.scatter_(1, slots, torch.where(keep, emitted, st.out.gather(1, slots)))
         col = st.round.clamp(max=st.accepted.shape[1] - 1).expand(st.b, 1)  # [b, 1]: this round's column
-        st.accepted.scatter_(1, col, torch.where(done, torch.full_like(a, -1), a)[:, None])
+        a_log = torch.minimum(a, n_drafted)
+        st.accepted.scatter_(1, col, torch.where(done, torch.full_like(a, -1), a_log)[:, None])
         st.round.add_(1)
         new_n_out = n_out + keep.sum(1)
         new_done = done | (new_n_out >= st.max_new) | is_eos.any(1)

@@ -155,6 +155,26 @@ def verify_all(target, drafter, input_ids, ctx_valid, seq_len, anchors, anchor_v
     return accepted, feats
 
 
+def carryover_rows_valid(proposals, accepted, eos_ids=None):
+    """Which verify rows 1..k of each anchor become carryover: `[b, N, k]`, rows past the accepted prefix, and not
+    past the first drafted EOS. Inference crops a draft after a drafted EOS (generate() never verifies the rest,
+    and the engine follows it), so those rows never reach the drafter there and must not in training either."""
+    k = proposals.shape[-1]
+    j = torch.arange(1, k + 1, device=proposals.device)
+    valid = j > accepted[..., None]
+    if eos_ids is not None and eos_ids.numel():
+        drafted_eos = (proposals[..., None] == eos_ids.to(proposals.device)).any(-1)  # [b, N, k]
+        valid &= j <= torch.where(drafted_eos.any(-1), drafted_eos.long().argmax(-1) + 1, k)[..., None]
+    return valid
+
+
+def eos_ids_of(target):
+    """The target's EOS ids as a tensor `[n]` (generation_config may hold None, an int or a list)."""
+    eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return torch.tensor(eos, dtype=torch.long)
+
+
 def stage1_loss(model, drafter, target, batch, num_anchors=512, l1_weight=0.0, backend="sdpa", generator=None):
     input_ids, seq_len, prompt_len = batch["input_ids"], batch["seq_len"], batch["prompt_len"]
     L = input_ids.shape[1]
@@ -187,7 +207,8 @@ def stage2_loss(model, drafter, target, batch, num_anchors=128, l1_weight=0.0, b
     a2_ok = a_ok & (anchors2 <= seq_len[:, None] - 2)
     anchors2 = torch.where(a2_ok, anchors2, anchors)
     j = torch.arange(1, k + 1, device=dev)
-    carry_valid = (j[None, None] > accepted[:, :, None]) & a2_ok[:, :, None]  # rows a+1..k are rejected
+    # rows a+1..k are rejected (up to a drafted EOS, as at inference)
+    carry_valid = carryover_rows_valid(proposals, accepted, eos_ids_of(target)) & a2_ok[:, :, None]
     carry_pos = (anchors[:, :, None] + j).flatten(1)
     N = anchors.shape[1]
     all_anchors = torch.cat([anchors, anchors2], dim=1)
@@ -216,5 +237,5 @@ def stage2_loss(model, drafter, target, batch, num_anchors=128, l1_weight=0.0, b
     return loss1 + loss2, metrics
 
 
-__all__ = ["stage1_loss", "stage2_loss", "verify_all", "sample_anchors", "block_targets", "greedy_proposals",
-           "draft_blocks", "target_pass", "position_weights", "block_loss"]
+__all__ = ["stage1_loss", "stage2_loss", "carryover_rows_valid", "eos_ids_of", "verify_all", "sample_anchors",
+           "block_targets", "greedy_proposals", "draft_blocks", "target_pass", "position_weights", "block_loss"]
