@@ -47,19 +47,25 @@ def test_eos_mid_block_per_row(typ):
     assert engine.generate(prompts, max_new_tokens=30, eos_token_id=eos) == refs
 
 
-@pytest.mark.parametrize("typ", ["dflash", "markov"])
-@pytest.mark.parametrize("carryover", [False, True])
-def test_rounds_equal_generate_with_a_good_drafter(typ, carryover):
-    """With a drafter that is often right, every round but each row's last accepts exactly what generate()'s
-    rounds accept (the last may differ: generate() trims proposals to the length budget, the engine verifies a
-    fixed k and trims the emitted tokens)."""
+def _trained_setup(typ, carryover, steps):
+    """A drafter overfit on the target's own greedy continuations of 4 prompts (so it is often right)."""
     target = build_target("llama", seed=5)
     drafter = build_drafter(target, typ, carryover)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 90, (3 + n,), generator=g).tolist() for n in range(4)]
     max_new = 40
     refs = _greedy_refs(target, prompts, max_new)
-    overfit(drafter, target, [(len(p), p + r, max_new) for p, r in zip(prompts, refs)], steps=60)
+    overfit(drafter, target, [(len(p), p + r, max_new) for p, r in zip(prompts, refs)], steps=steps)
+    return target, drafter, prompts, max_new, refs
+
+
+@pytest.mark.parametrize("typ", ["dflash", "markov"])
+@pytest.mark.parametrize("carryover", [False, True])
+def test_rounds_equal_generate_with_a_good_drafter(typ, carryover):
+    """With a drafter that is often right, every round but each row's last accepts exactly what generate()'s
+    rounds accept (the last may differ: generate() trims proposals to the length budget, the engine verifies a
+    fixed k and trims the emitted tokens)."""
+    target, drafter, prompts, max_new, refs = _trained_setup(typ, carryover, steps=60)
     online = []
     for p in prompts:
         target.generate(torch.tensor([p]), assistant_model=drafter, max_new_tokens=max_new, do_sample=False)
@@ -76,13 +82,7 @@ def test_rounds_equal_generate_after_a_drafted_eos(typ):
     """A draft that contains EOS mid-sequence (rejected there): generate() crops the draft after the EOS, so it
     verifies and carries fewer rows. The engine must do the same, or a Carryover drafter's next round differs
     (seen on the real target: one ShareGPT prompt of the 2026-11-30b cross-check)."""
-    target = build_target("llama", seed=5)
-    drafter = build_drafter(target, typ, True)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1, 90, (3 + n,), generator=g).tolist() for n in range(4)]
-    max_new = 40
-    refs = _greedy_refs(target, prompts, max_new)
-    overfit(drafter, target, [(len(p), p + r, max_new) for p, r in zip(prompts, refs)], steps=25)
+    target, drafter, prompts, max_new, refs = _trained_setup(typ, True, steps=25)
     drafter.record_carryover = True
     candidates = {}  # token -> how many mid-sequence drafts it appears in after the accepted prefix
     for p in prompts:
