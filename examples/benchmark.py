@@ -236,6 +236,7 @@ def main():
                "results": rows, "not_covered": not_covered}
     (out_dir / "bench.json").write_text(json.dumps(summary, indent=2))
     lines = ["| dataset | method | tok/s | τ | × hf_eager | × engine_ar@1 | mode |", "|---|---|---|---|---|---|---|"]
+
     def ratio(r, base):  # "–" where the run has no such baseline row (not a 0.00 that reads as a measurement)
         x = r.get(f"speedup_vs_{base}")
         return f"{x:.2f}" if x is not None else "–"
