@@ -263,3 +263,18 @@ def test_verify_argmax_rows_on_a_greedy_recording():
     assert ok.any() and bool((acc[ok] == k).all())
     nxt = ids.gather(1, (anchors[:, :, None] + torch.arange(1, k + 2)).clamp(max=L - 1).flatten(1)).view_as(arg)
     assert torch.equal(arg[ok], nxt[ok])
+
+
+def test_eval_metrics_pool_every_process():
+    """Data-parallel evaluation: each process holds its shard's per-batch metrics; the reported held-out metrics
+    must be those of the whole set (as if one process had evaluated every batch), not of the main process's shard."""
+    from hf_carryover.training.trainer import _reduce
+
+    shard0 = {"accept_run": [1.0, float("nan"), 2.0], "acc_per_pos": [[0.5, 0.2], [0.7, 0.4]]}
+    shard1 = {"accept_run": [4.0], "acc_per_pos": [[0.9, 0.6]]}
+    sums1 = []
+    _reduce(shard1, "eval_", allsum=lambda t: sums1.append(t) or t)  # process 1's sums, in key order
+    it = iter(sums1)
+    pooled = _reduce(shard0, "eval_", allsum=lambda t: t + next(it))  # the all-reduce, as process 0 sees it
+    assert pooled == _reduce({k: shard0[k] + shard1[k] for k in shard0}, "eval_")
+    assert pooled["eval_accept_run"] == round(7 / 3, 5) and pooled != _reduce(shard0, "eval_")

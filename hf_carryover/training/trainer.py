@@ -79,22 +79,32 @@ class CarryoverTrainer(Trainer):
         local = torch.tensor([sum(losses), len(losses)], device=self.args.device, dtype=torch.float64)
         total = self.accelerator.reduce(local, reduction="sum")
         out = {f"{metric_key_prefix}_loss": float(total[0] / total[1].clamp(min=1))}
-        out.update(_reduce(buf, prefix=f"{metric_key_prefix}_"))
+        # every process evaluated its own shard of the held-out set: the metrics pool all of them, like the loss
+        out.update(_reduce(buf, prefix=f"{metric_key_prefix}_",
+                           allsum=lambda t: self.accelerator.reduce(t.to(self.args.device), reduction="sum").cpu()))
         self.log(out)
         self.model.train()
         return out
 
 
-def _reduce(buf, prefix):
-    """Mean of scalar metrics; element-wise mean (rounded) of per-position lists."""
+def _reduce(buf, prefix, allsum=None):
+    """Mean over batches of scalar metrics (NaNs skipped) and element-wise mean (rounded) of per-position lists.
+    `allsum` sums a float64 tensor over processes (data-parallel evaluation); each process must hold the same keys."""
     out = {}
     for key, values in buf.items():
-        if isinstance(values[0], list):
-            cols = list(zip(*values))
-            out[prefix + key] = [round(sum(c) / len(c), 4) for c in cols]
+        if isinstance(values[0], list):  # [sum per column..., number of batches]
+            cols = [sum(c) for c in zip(*values)]
+            t = torch.tensor(cols + [len(values)], dtype=torch.float64)
         else:
             vals = [v for v in values if v == v]
-            out[prefix + key] = round(sum(vals) / len(vals), 5) if vals else float("nan")
+            t = torch.tensor([sum(vals), len(vals)], dtype=torch.float64)
+        if allsum is not None:
+            t = allsum(t)
+        n = float(t[-1])
+        if isinstance(values[0], list):
+            out[prefix + key] = [round(float(c) / n, 4) for c in t[:-1]]
+        else:
+            out[prefix + key] = round(float(t[0]) / n, 5) if n else float("nan")
     return out
 
 
