@@ -11,6 +11,7 @@ from hf_carryover.training.data import ResponseCollator, ResponseDataset, regene
 from hf_carryover.training.masks import dense_drafter_mask, verify_mask
 from hf_carryover.training.objectives import (
     block_targets,
+    carry_chain,
     carryover_rows_valid,
     draft_blocks,
     eos_ids_of,
@@ -104,8 +105,8 @@ def _recorded_batch(target, n=6, new=40, seed=0):
     return ResponseCollator(0)([{"id": i, "prompt_len": pl, "input_ids": s} for i, (pl, s) in enumerate(zip(plens, seqs))])
 
 
-@pytest.mark.parametrize("typ", ["dflash", "markov"])
-def test_loss_decreases_and_every_parameter_changes(typ):
+@pytest.mark.parametrize("typ,chain", [("dflash", 1), ("markov", 1), ("dflash", 2)])
+def test_loss_decreases_and_every_parameter_changes(typ, chain):
     target = tiny_target(init=0.3)  # a wide embedding: the frozen LM head must be able to express confidence
     drafter = tiny_drafter(target, typ)
     batch = _recorded_batch(target)
@@ -113,8 +114,10 @@ def test_loss_decreases_and_every_parameter_changes(typ):
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     losses = []
     for step in range(60):
+        kw = {} if step % 2 == 0 else {"chain": chain}
         fn = stage1_loss if step % 2 == 0 else stage2_loss  # both objectives touch every parameter between them
-        loss, _ = fn(drafter, drafter, target, batch, num_anchors=16, generator=torch.Generator().manual_seed(0))
+        loss, m = fn(drafter, drafter, target, batch, num_anchors=16, generator=torch.Generator().manual_seed(0), **kw)
+        assert ("accept_run_carry_step1" in m) == (step % 2 == 1 and chain > 1)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -278,3 +281,35 @@ def test_eval_metrics_pool_every_process():
     pooled = _reduce(shard0, "eval_", allsum=lambda t: t + next(it))  # the all-reduce, as process 0 sees it
     assert pooled == _reduce({k: shard0[k] + shard1[k] for k in shard0}, "eval_")
     assert pooled["eval_accept_run"] == round(7 / 3, 5) and pooled != _reduce(shard0, "eval_")
+
+
+@pytest.mark.parametrize("typ", ["dflash", "markov"])
+def test_carry_chain_follows_generate_rounds(typ):
+    """stage 2's chain from the first anchor of a generate() run replays its rounds: the row-free first draft,
+    then drafts with the rows of a draft that itself had rows (decoding's case), anchors and proposals alike."""
+    target = tiny_target(seed=3)
+    drafter = tiny_drafter(target, typ)
+    drafter.record_carryover = True
+    prompt = torch.randint(1, 60, (1, 6), generator=torch.Generator().manual_seed(7))
+    seq = target.generate(prompt, assistant_model=drafter, max_new_tokens=40, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    gen = drafter.last_candidate_generator
+    rec = gen.rounds_carryover
+    chain = min(8, len(gen.rounds) - 2)  # the last rounds may be cut by the length budget
+    assert chain >= 3
+    L = seq.shape[1]
+    ctx = torch.ones(1, L, dtype=torch.bool)
+    feats, _ = target_pass(target, drafter, seq, ctx, need_logits=False)
+    target.generation_config.eos_token_id = None  # as generate() was told
+    c = carry_chain(drafter, target, seq, feats, ctx, torch.tensor([L]), torch.tensor([[rec[0]["committed"]]]),
+                    torch.ones(1, 1, dtype=torch.bool), chain=chain)
+    assert [int(a) for a in c["anchors"]] == [rec[r]["committed"] for r in range(chain + 1)]
+    k = drafter.config.num_proposals
+    with torch.no_grad():  # the last draft: at t_chain with the rows of the one before, as the gradient forward has it
+        rows = c["rows"][-1]
+        h = draft_blocks(drafter, drafter, seq, feats, ctx, c["anchors"][-1], carry=rows[0], carry_pos=rows[1],
+                         carry_valid=rows[2], k=k)
+        last = greedy_proposals(drafter, h, seq.gather(1, c["anchors"][-1]))
+    for r, props in enumerate(c["proposals"] + [last]):
+        toks = gen.rounds[r]["tokens"]
+        assert props[0, 0, : len(toks)].tolist() == toks, r

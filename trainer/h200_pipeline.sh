@@ -140,14 +140,15 @@ stage2)
     typ=${TYPES[$i]}
     # equal steps for the pair, sized from stage 1's measured s/step: a Carryover step costs ~2 stage-1 steps;
     # a pair that time-slices one GPU takes ~3 N s1 for N steps of both, a pair on two GPUs ~2 N s1
-    # (0.8 margin, 45 s for load/eval)
+    # (0.8 margin, 45 s for load/eval). CARRY_EXTRA adds flags to the Carryover run only (e.g. --carry_chain 2,
+    # which costs more per step: give it S2_STEPS explicitly)
     g0=$i; g1=$i; share=3; [ ${#TYPES[@]} = 1 ] && { g1=1; share=2; }
     fit=$(last_fit $A/runs/$typ-stage1/final/train_log.json || true)
     N=${S2_STEPS:-$(python3 -c "print(int(0.8 * (${S2_MINUTES} * 60 - 45) / ($share * float('${fit#* }'))) if '$fit' else 800)")}
     log "$typ stage 2: $N steps each (baseline on GPU $g0, Carryover on GPU $g1)"
     CUDA_VISIBLE_DEVICES=$g1 python3 trainer/train.py --config trainer/configs/smollm2_stage2.json \
       --init_from $A/runs/$typ-stage1/final --data_dir $A/data/train --eval_data_dir $A/data/eval \
-      --output_dir $A/runs/$typ-carryover --max_steps $N --max_minutes $S2_MINUTES ${TRAIN_EXTRA:-} \
+      --output_dir $A/runs/$typ-carryover --max_steps $N --max_minutes $S2_MINUTES ${TRAIN_EXTRA:-} ${CARRY_EXTRA:-} \
       > "$L/train_$typ-carryover.log" 2>&1 &
     CUDA_VISIBLE_DEVICES=$g0 python3 trainer/train.py --config trainer/configs/smollm2_stage2.json \
       --init_from $A/runs/$typ-stage1/final --stage 1 --carryover false --num_anchors 256 \

@@ -12,6 +12,8 @@ Stage 2, Carryover (DESIGN.md §5), parallel draft-verify-draft:
      recorded tokens.
 The gradient forward holds both the step-1 blocks (stage-1 loss, so the drafter keeps working without
 carryover: first round, after a full accept) and the step-3 blocks — one forward, one backward.
+`chain` > 1 (`--carry_chain`) repeats 2–3 (no grad) so that later blocks get the rows of a draft that itself had
+rows, as in every decoding round after the first (`carry_chain`).
 
 Batch dict: `input_ids [b, L]` (right-padded), `prompt_len [b]`, `seq_len [b]` (real length).
 """
@@ -190,52 +192,92 @@ def stage1_loss(model, drafter, target, batch, num_anchors=512, l1_weight=0.0, b
     return loss, m
 
 
-def stage2_loss(model, drafter, target, batch, num_anchors=128, l1_weight=0.0, backend="sdpa", generator=None):
-    """Parallel draft-verify-draft (see module docstring). Loss = stage-1 term at t + carryover term at t'."""
+def carry_chain(drafter, target, input_ids, feats, ctx_valid, seq_len, anchors, a_ok, chain=1, backend="sdpa"):
+    """The no-grad part of stage 2: draft at t without rows, verify, shift to t1 = t+a+1; then `chain`-1 more
+    steps of draft (with the rows just handed on) → verify → shift, as decoding does round after round.
+
+    Returns the block anchors `[t, t1, .., t_chain]` and their validity, per shifted anchor the rows it receives
+    (features `[b, N*k, n*d]`, positions `[b, N*k]`, validity `[b, N*k]`), the proposals of every drafted step,
+    and the first verification's accepted lengths."""
+    eos = eos_ids_of(target)
+    with torch.no_grad():
+        h = draft_blocks(drafter, drafter, input_ids, feats, ctx_valid, anchors, backend=backend)
+        proposals = greedy_proposals(drafter, h, input_ids.gather(1, anchors))
+    k = proposals.shape[2]
+    j = torch.arange(1, k + 1, device=input_ids.device)
+    out = {"anchors": [anchors], "ok": [a_ok], "rows": [], "proposals": [proposals], "first_accepted": None}
+    cur, cur_ok = anchors, a_ok
+    for step in range(chain):
+        accepted, vfeats = verify_all(target, drafter, input_ids, ctx_valid, seq_len, cur, cur_ok, proposals)
+        if step == 0:
+            out["first_accepted"] = accepted
+        nxt = cur + accepted + 1  # the shifted anchor: the correction's position
+        nxt_ok = cur_ok & (nxt <= seq_len[:, None] - 2)
+        nxt = torch.where(nxt_ok, nxt, cur)
+        # rows a+1..k are rejected (up to a drafted EOS, as at inference)
+        valid = carryover_rows_valid(proposals, accepted, eos) & nxt_ok[:, :, None]
+        rows = (vfeats.flatten(1, 2), (cur[:, :, None] + j).flatten(1), valid.flatten(1))
+        out["anchors"].append(nxt)
+        out["ok"].append(nxt_ok)
+        out["rows"].append(rows)
+        if step + 1 < chain:  # the next draft of the chain, with these rows, as decoding's next round makes it
+            with torch.no_grad():
+                h = draft_blocks(drafter, drafter, input_ids, feats, ctx_valid, nxt, carry=rows[0], carry_pos=rows[1],
+                                 carry_valid=rows[2], k=k, backend=backend)
+                proposals = greedy_proposals(drafter, h, input_ids.gather(1, nxt))
+            out["proposals"].append(proposals)
+        cur, cur_ok = nxt, nxt_ok
+    return out
+
+
+def stage2_loss(model, drafter, target, batch, num_anchors=128, l1_weight=0.0, backend="sdpa", generator=None,
+                chain=1):
+    """Parallel draft-verify-draft (see module docstring). Loss = stage-1 term at t + carryover term.
+
+    chain=1 trains the draft at t1 with the rows of a draft made *without* rows. After its first round, decoding
+    hands a drafter only rows of drafts that themselves had rows; `examples/carryover_chain_probe.py` found the
+    rows help in the first case and not in the second (2026-11-30b). chain=c follows the chain c steps (no grad)
+    and trains the draft at every shifted anchor t1..tc with the rows handed to it; the carryover term is their
+    mean. All blocks share one gradient forward."""
     input_ids, seq_len, prompt_len = batch["input_ids"], batch["seq_len"], batch["prompt_len"]
-    b, L = input_ids.shape
     cfg, dev = drafter.config, input_ids.device
-    ctx_valid = torch.arange(L, device=dev)[None] < seq_len[:, None]
+    ctx_valid = torch.arange(input_ids.shape[1], device=dev)[None] < seq_len[:, None]
     feats, _ = target_pass(target, drafter, input_ids, ctx_valid, need_logits=False)
     anchors, a_ok = sample_anchors(prompt_len, seq_len, num_anchors, generator)
-    with torch.no_grad():  # 1. draft
-        h1 = draft_blocks(drafter, drafter, input_ids, feats, ctx_valid, anchors, backend=backend)
-        proposals = greedy_proposals(drafter, h1, input_ids.gather(1, anchors))
-    k = proposals.shape[2]
-    accepted, vfeats = verify_all(target, drafter, input_ids, ctx_valid, seq_len, anchors, a_ok, proposals)  # 2.
-    anchors2 = anchors + accepted + 1  # 3. shifted anchor
-    a2_ok = a_ok & (anchors2 <= seq_len[:, None] - 2)
-    anchors2 = torch.where(a2_ok, anchors2, anchors)
-    j = torch.arange(1, k + 1, device=dev)
-    # rows a+1..k are rejected (up to a drafted EOS, as at inference)
-    carry_valid = carryover_rows_valid(proposals, accepted, eos_ids_of(target)) & a2_ok[:, :, None]
-    carry_pos = (anchors[:, :, None] + j).flatten(1)
-    N = anchors.shape[1]
-    all_anchors = torch.cat([anchors, anchors2], dim=1)
-    hidden = draft_blocks(model, drafter, input_ids, feats, ctx_valid, all_anchors, carry=vfeats.flatten(1, 2),
-                          carry_pos=carry_pos, carry_valid=carry_valid.flatten(1), k=k, carry_offset=N,
-                          backend=backend)
-    all_ok = torch.cat([a_ok, a2_ok], dim=1)
-    labels, ok, prev, _ = block_targets(input_ids, seq_len, all_anchors, all_ok, cfg.num_proposals)
+    c = carry_chain(drafter, target, input_ids, feats, ctx_valid, seq_len, anchors, a_ok, chain, backend)
+    N, k = anchors.shape[1], c["proposals"][0].shape[2]
+    # blocks [t | t1 | .. | t_chain]; row group g (of the chain*N) is seen by block N + g alone
+    all_anchors = torch.cat(c["anchors"], dim=1)
+    carry, carry_pos, carry_valid = (torch.cat(x, 1) for x in zip(*c["rows"]))  # [b, chain*N*k, ...]
+    hidden = draft_blocks(model, drafter, input_ids, feats, ctx_valid, all_anchors, carry=carry, carry_pos=carry_pos,
+                          carry_valid=carry_valid, k=k, carry_offset=N, backend=backend)
+    labels, ok, prev, _ = block_targets(input_ids, seq_len, all_anchors, torch.cat(c["ok"], 1), cfg.num_proposals)
     logits = proposal_logits(drafter, hidden, prev)
     w = position_weights(cfg, dev)
-    loss1, m1 = block_loss(logits[:, :N], labels[:, :N], ok[:, :N], w)
-    loss2, m2 = block_loss(logits[:, N:], labels[:, N:], ok[:, N:], w)
+    terms = [block_loss(logits[:, s * N : (s + 1) * N], labels[:, s * N : (s + 1) * N], ok[:, s * N : (s + 1) * N], w)
+             for s in range(chain + 1)]
+    (loss1, m1), m2 = terms[0], terms[-1][1]  # carry metrics: the last step (decoding's case when chain > 1)
+    loss_carry = sum(t[0] for t in terms[1:]) / chain
+    last, last_ok = c["anchors"][-1], c["ok"][-1]
     if not drafter.training:  # eval diagnostic: the same shifted blocks with the carryover rows withheld. If these
         # match the carry metrics, the drafter ignores its carryover states (what the 2026-11-30 ablation found)
         with torch.no_grad():
-            h_off = draft_blocks(drafter, drafter, input_ids, feats, ctx_valid, anchors2, backend=backend)
-            lab2, ok2, prev2, _ = block_targets(input_ids, seq_len, anchors2, a2_ok, cfg.num_proposals)
+            h_off = draft_blocks(drafter, drafter, input_ids, feats, ctx_valid, last, backend=backend)
+            lab2, ok2, prev2, _ = block_targets(input_ids, seq_len, last, last_ok, cfg.num_proposals)
             _, m3 = block_loss(proposal_logits(drafter, h_off, prev2), lab2, ok2, w)
-    carried = carry_valid.sum(-1).float()[a2_ok]
+    carried = c["rows"][-1][2].view(-1, N, k).sum(-1).float()[last_ok]
+    accepted = c["first_accepted"]
     metrics = {"ce": m1["ce"], "acc_per_pos": m1["acc_per_pos"], "accept_run": m1["accept_run"],
                "ce_carry": m2["ce"], "acc_per_pos_carry": m2["acc_per_pos"], "accept_run_carry": m2["accept_run"],
                "verify_accepted": float(accepted[a_ok].float().mean()) if a_ok.any() else math.nan,
                "carried_rows": float(carried.mean()) if carried.numel() else 0.0}
+    if chain > 1:
+        metrics["accept_run_carry_step1"] = terms[1][1]["accept_run"]
     if not drafter.training:
         metrics.update({"acc_per_pos_carry_withheld": m3["acc_per_pos"], "accept_run_carry_withheld": m3["accept_run"]})
-    return loss1 + loss2, metrics
+    return loss1 + loss_carry, metrics
 
 
-__all__ = ["stage1_loss", "stage2_loss", "carryover_rows_valid", "eos_ids_of", "verify_all", "sample_anchors",
-           "block_targets", "greedy_proposals", "draft_blocks", "target_pass", "position_weights", "block_loss"]
+__all__ = ["stage1_loss", "stage2_loss", "carry_chain", "carryover_rows_valid", "eos_ids_of", "verify_all",
+           "sample_anchors", "block_targets", "greedy_proposals", "draft_blocks", "target_pass", "position_weights",
+           "block_loss"]
