@@ -235,6 +235,13 @@ def test_trainer_runs_and_resumes(tmp_path):
     assert trainer.state.global_step == 4
     with pytest.raises(ValueError, match="carryover=True"):
         main(common + ["--output_dir", str(tmp_path / "bad"), "--max_steps", "1", "--stage", "2"])
+    with pytest.raises(ValueError, match="carry_chain=0"):
+        main(common + ["--output_dir", str(tmp_path / "bad"), "--max_steps", "1", "--stage", "2", "--carryover", "true",
+                       "--init_from", str(tmp_path / "s1" / "final"), "--carry_chain", "0"])
+    # a chained stage 2 through the script: the chain's first-step metric is logged beside the last step's
+    main(common + ["--output_dir", str(tmp_path / "s2c"), "--max_steps", "1", "--stage", "2", "--carryover", "true",
+                   "--init_from", str(tmp_path / "s1" / "final"), "--carry_chain", "2"])
+    assert "eval_accept_run_carry_step1" in json.loads((tmp_path / "s2c" / "final" / "eval_metrics.json").read_text())
 
 
 def test_block_targets_layouts():

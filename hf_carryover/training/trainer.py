@@ -39,6 +39,8 @@ class CarryoverTrainer(Trainer):
             raise ValueError("Stage 2 trains Carryover: load/build the drafter with carryover=True.")
         if args.stage not in (1, 2):
             raise ValueError(f"Unknown stage {args.stage}; expected 1 or 2.")
+        if args.carry_chain < 1:
+            raise ValueError(f"carry_chain={args.carry_chain}: stage 2 needs at least one draft-verify step (1 or more).")
         super().__init__(model=model, args=args, **kwargs)
         self.model_accepts_loss_kwargs = False  # our loss is already a mean
         self.target = target.to(self.args.device).eval().requires_grad_(False)
