@@ -51,8 +51,8 @@ def main():
     from hf_carryover import Drafter
     from hf_carryover.reference import reference_target
     from hf_carryover.training.data import ResponseCollator, ResponseDataset
-    from hf_carryover.training.objectives import (carryover_rows_valid, draft_blocks, eos_ids_of, greedy_proposals,
-                                                  sample_anchors, target_pass, verify_all)
+    from hf_carryover.training.objectives import (carry_chain, draft_blocks, greedy_proposals, sample_anchors,
+                                                  target_pass, verify_all)
 
     target, tok = reference_target(dtype=torch.float32)
     drafter = Drafter.from_pretrained(args.drafter, dtype=torch.float32).eval()
@@ -61,8 +61,7 @@ def main():
     drafter.bind_target(target)
     data = ResponseDataset(args.data, max_records=args.limit)
     collate = ResponseCollator(tok.pad_token_id or 0)
-    k, eos = drafter.config.num_proposals, eos_ids_of(target)
-    j = torch.arange(1, k + 1)
+    k = drafter.config.num_proposals
     gen = torch.Generator().manual_seed(0)
     acc = {s: {"with": [], "without": []} for s in ("step1", "step2")}
     with torch.no_grad():
@@ -72,31 +71,19 @@ def main():
             ctx = torch.arange(ids.shape[1])[None] < seq_len[:, None]
             feats, _ = target_pass(target, drafter, ids, ctx, need_logits=False)
 
-            def draft(anchors, rows=None):  # proposals at `anchors` [b, N], optionally with carryover rows
+            def accepted(anchors, ok, rows=None):  # accepted drafts at `anchors`, drafted with or without rows
                 kw = {} if rows is None else dict(carry=rows[0], carry_pos=rows[1], carry_valid=rows[2], k=k)
                 h = draft_blocks(drafter, drafter, ids, feats, ctx, anchors, **kw)
-                return greedy_proposals(drafter, h, ids.gather(1, anchors))
-
-            def verify(anchors, ok, props):  # accepted drafts, and the rows this verification hands on
-                a, vfeats = verify_all(target, drafter, ids, ctx, seq_len, anchors, ok, props)
-                valid = carryover_rows_valid(props, a, eos) & ok[..., None]
-                return a, (vfeats.flatten(1, 2), (anchors[..., None] + j).flatten(1), valid.flatten(1))
+                props = greedy_proposals(drafter, h, ids.gather(1, anchors))
+                return verify_all(target, drafter, ids, ctx, seq_len, anchors, ok, props)[0]
 
             t0, ok0 = sample_anchors(plen, seq_len, args.num_anchors, gen)
-            a0, rows0 = verify(t0, ok0, draft(t0))  # the draft training makes without rows
-            t1 = t0 + a0 + 1
-            ok1 = ok0 & (t1 <= seq_len[:, None] - 2)
-            t1 = torch.where(ok1, t1, t0)
-            rows0 = (rows0[0], rows0[1], rows0[2] & ok1.repeat_interleave(k, 1))
-            a1, rows1 = verify(t1, ok1, draft(t1, rows0))  # step 1: training's second draft
-            a1_off, _ = verify(t1, ok1, draft(t1))
-            t2 = t1 + a1 + 1
-            ok2 = ok1 & (t2 <= seq_len[:, None] - 2)
-            t2 = torch.where(ok2, t2, t1)
-            rows1 = (rows1[0], rows1[1], rows1[2] & ok2.repeat_interleave(k, 1))
-            a2, _ = verify(t2, ok2, draft(t2, rows1))  # step 2: rows from a draft that had rows, as in decoding
-            a2_off, _ = verify(t2, ok2, draft(t2))
-            for s, ok, w, wo in (("step1", ok1, a1, a1_off), ("step2", ok2, a2, a2_off)):
+            # stage 2's chain, two steps: t0 drafted without rows; t1 drafted with t0's rows; t2 gets t1's rows
+            c = carry_chain(drafter, target, ids, feats, ctx, seq_len, t0, ok0, chain=2)
+            (_, t1, t2), (_, ok1, ok2) = c["anchors"], c["ok"]
+            steps = (("step1", ok1, c["accepted"][1], accepted(t1, ok1)),  # training's case
+                     ("step2", ok2, accepted(t2, ok2, c["rows"][1]), accepted(t2, ok2)))  # decoding's case
+            for s, ok, w, wo in steps:
                 acc[s]["with"].append(w[ok])
                 acc[s]["without"].append(wo[ok])
             print(f"{min(i + args.batch, len(data))}/{len(data)} responses", flush=True)

@@ -15,6 +15,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from hf_carryover.evaluation.offline_tau import tau_from_rounds
+
 
 def load(path):
     rows = {}
@@ -22,11 +24,6 @@ def load(path):
         r = json.loads(line)
         rows[(r["drafter"], r["dataset"], float(r["temperature"]), str(r["id"]))] = r["accepted"]
     return rows
-
-
-def tau(rounds):
-    acc = [a for r in rounds for a in r]
-    return (sum(acc) + len(acc)) / max(len(acc), 1)
 
 
 def main():
@@ -54,7 +51,9 @@ def main():
     summary = {"command": " ".join(["python"] + sys.argv), "a": args.a, "b": args.b, "groups": {}}
     for name, g in groups.items():
         summary["groups"][name] = {"prompts": g["prompts"], "same_rounds_but_last": g["same_rounds"],
-                                   "tau_a": tau(g["a"]), "tau_b": tau(g["b"]), "differing_ids": g["differing_ids"]}
+                                   "tau_a": tau_from_rounds({"accepted": r} for r in g["a"]),
+                                   "tau_b": tau_from_rounds({"accepted": r} for r in g["b"]),
+                                   "differing_ids": g["differing_ids"]}
         s = summary["groups"][name]
         print(f"{name:40s} {s['same_rounds_but_last']}/{s['prompts']} prompts round-for-round equal; "
               f"τ {s['tau_a']:.4f} vs {s['tau_b']:.4f}")

@@ -24,6 +24,7 @@ import warnings
 
 import torch
 
+from ..generation_carryover import drafts_through_eos, eos_tensor
 from .graphs import capture_round
 from .static_cache import DrafterStaticCache, TargetStaticCache
 
@@ -228,15 +229,13 @@ class SpeculativeEngine:
         clock.lap("verify")
         a, nxt = self._accept(drafts, q, logits, do_sample, temperature, gen)
         done, n_out = st.done, st.n_out  # this round's inputs; the new values are copied in at the end
-        # generate() crops a draft after its first EOS and never verifies the rest: it neither counts acceptance
-        # past it nor carries those rows. The same rule here keeps the logged rounds and a Carryover drafter's next
-        # round equal to generate()'s (the emitted tokens stop at the EOS either way)
-        if drafts.shape[1]:  # a static shape: the same branch in every round
-            drafted_eos = _is_eos(drafts, st.eos)  # [b, k]
-            n_drafted = torch.where(drafted_eos.any(1), drafted_eos.long().argmax(1) + 1, torch.full_like(a, k))
-        else:  # plain autoregressive decoding drafts nothing
-            n_drafted = torch.zeros_like(a)
+        a_log = a  # accepted drafts as generate() counts them
         if self.drafter is not None:
+            # generate() crops a draft after its first EOS and never verifies the rest: it neither counts
+            # acceptance past it nor carries those rows. The same rule keeps the logged rounds and a Carryover
+            # drafter's next round equal to generate()'s (the emitted tokens stop at the EOS either way)
+            n_drafted = drafts_through_eos(drafts, st.eos)  # [b]
+            a_log = torch.minimum(a, n_drafted)
             st.dcache.write(self.drafter, self.drafter.fuse(feats), bpos)
             st.carry.copy_(feats[:, 1:])
             j = steps[1 : k + 1][None]
@@ -253,7 +252,6 @@ class SpeculativeEngine:
         slots = (n_out[:, None] + idx).clamp(max=st.cap - 1)
         st.out.scatter_(1, slots, torch.where(keep, emitted, st.out.gather(1, slots)))
         col = st.round.clamp(max=st.accepted.shape[1] - 1).expand(st.b, 1)  # [b, 1]: this round's column
-        a_log = torch.minimum(a, n_drafted)
         st.accepted.scatter_(1, col, torch.where(done, torch.full_like(a, -1), a_log)[:, None])
         st.round.add_(1)
         new_n_out = n_out + keep.sum(1)
@@ -278,9 +276,7 @@ class SpeculativeEngine:
         if int(plen.max()) + max_new_tokens + k + 2 > self.max_len:
             raise ValueError(f"max_len={self.max_len} is too small for prompts of {int(plen.max())} tokens + "
                              f"{max_new_tokens} new tokens + a block of {k}.")
-        eos = torch.tensor([] if eos_token_id is None else
-                           ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)),
-                           dtype=torch.long, device=dev)
+        eos = eos_tensor(eos_token_id).to(dev)
         st = self._state(b, k, max_new_tokens, eos.numel(), dev, dtype)
 
         # prefill (eager: its width depends on the prompts): prompts left-aligned at position 0; positions past

@@ -25,6 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..generation_carryover import drafts_through_eos, eos_tensor
 from .masks import dense_drafter_mask, flex_drafter_mask, verify_mask
 
 
@@ -161,20 +162,16 @@ def carryover_rows_valid(proposals, accepted, eos_ids=None):
     """Which verify rows 1..k of each anchor become carryover: `[b, N, k]`, rows past the accepted prefix, and not
     past the first drafted EOS. Inference crops a draft after a drafted EOS (generate() never verifies the rest,
     and the engine follows it), so those rows never reach the drafter there and must not in training either."""
-    k = proposals.shape[-1]
-    j = torch.arange(1, k + 1, device=proposals.device)
+    j = torch.arange(1, proposals.shape[-1] + 1, device=proposals.device)
     valid = j > accepted[..., None]
-    if eos_ids is not None and eos_ids.numel():
-        drafted_eos = (proposals[..., None] == eos_ids.to(proposals.device)).any(-1)  # [b, N, k]
-        valid &= j <= torch.where(drafted_eos.any(-1), drafted_eos.long().argmax(-1) + 1, k)[..., None]
+    if eos_ids is not None:
+        valid &= j <= drafts_through_eos(proposals, eos_ids)[..., None]
     return valid
 
 
 def eos_ids_of(target):
     """The target's EOS ids as a tensor `[n]` (generation_config may hold None, an int or a list)."""
-    eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    return torch.tensor(eos, dtype=torch.long)
+    return eos_tensor(getattr(getattr(target, "generation_config", None), "eos_token_id", None))
 
 
 def stage1_loss(model, drafter, target, batch, num_anchors=512, l1_weight=0.0, backend="sdpa", generator=None):
@@ -197,20 +194,19 @@ def carry_chain(drafter, target, input_ids, feats, ctx_valid, seq_len, anchors, 
     steps of draft (with the rows just handed on) → verify → shift, as decoding does round after round.
 
     Returns the block anchors `[t, t1, .., t_chain]` and their validity, per shifted anchor the rows it receives
-    (features `[b, N*k, n*d]`, positions `[b, N*k]`, validity `[b, N*k]`), the proposals of every drafted step,
-    and the first verification's accepted lengths."""
+    (features `[b, N*k, n*d]`, positions `[b, N*k]`, validity `[b, N*k]`), and per step the proposals drafted at
+    `anchors[i]` and their accepted lengths `[b, N]`."""
     eos = eos_ids_of(target)
     with torch.no_grad():
         h = draft_blocks(drafter, drafter, input_ids, feats, ctx_valid, anchors, backend=backend)
         proposals = greedy_proposals(drafter, h, input_ids.gather(1, anchors))
     k = proposals.shape[2]
     j = torch.arange(1, k + 1, device=input_ids.device)
-    out = {"anchors": [anchors], "ok": [a_ok], "rows": [], "proposals": [proposals], "first_accepted": None}
+    out = {"anchors": [anchors], "ok": [a_ok], "rows": [], "proposals": [proposals], "accepted": []}
     cur, cur_ok = anchors, a_ok
     for step in range(chain):
         accepted, vfeats = verify_all(target, drafter, input_ids, ctx_valid, seq_len, cur, cur_ok, proposals)
-        if step == 0:
-            out["first_accepted"] = accepted
+        out["accepted"].append(accepted)
         nxt = cur + accepted + 1  # the shifted anchor: the correction's position
         nxt_ok = cur_ok & (nxt <= seq_len[:, None] - 2)
         nxt = torch.where(nxt_ok, nxt, cur)
@@ -266,7 +262,7 @@ def stage2_loss(model, drafter, target, batch, num_anchors=128, l1_weight=0.0, b
             lab2, ok2, prev2, _ = block_targets(input_ids, seq_len, last, last_ok, cfg.num_proposals)
             _, m3 = block_loss(proposal_logits(drafter, h_off, prev2), lab2, ok2, w)
     carried = c["rows"][-1][2].view(-1, N, k).sum(-1).float()[last_ok]
-    accepted = c["first_accepted"]
+    accepted = c["accepted"][0]
     metrics = {"ce": m1["ce"], "acc_per_pos": m1["acc_per_pos"], "accept_run": m1["accept_run"],
                "ce_carry": m2["ce"], "acc_per_pos_carry": m2["acc_per_pos"], "accept_run_carry": m2["accept_run"],
                "verify_accepted": float(accepted[a_ok].float().mean()) if a_ok.any() else math.nan,

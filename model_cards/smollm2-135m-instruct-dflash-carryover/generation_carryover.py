@@ -54,9 +54,7 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
         self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
-        eos = generation_config.eos_token_id
-        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        self.eos_ids = torch.tensor(eos, dtype=torch.long)
+        self.eos_ids = eos_tensor(generation_config.eos_token_id)
         self.record_carryover = record_carryover
         self.rounds: list[dict] = []
         self._pending = None  # number of proposals of the round being verified
@@ -155,11 +153,25 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         """Drop proposals after the first EOS (transformers < 5.23 would otherwise accept past it)."""
         if self.eos_ids.numel() == 0:
             return tokens, logits
-        hit = torch.isin(tokens[0], self.eos_ids.to(tokens.device)).nonzero()
-        if hit.numel():
-            n = int(hit[0]) + 1
-            tokens, logits = tokens[:, :n], logits[:, :n]
-        return tokens, logits
+        n = int(drafts_through_eos(tokens[0], self.eos_ids))
+        return tokens[:, :n], logits[:, :n]
+
+
+def eos_tensor(eos_token_id) -> torch.Tensor:
+    """EOS id(s) as a long tensor `[n]`, n >= 0 (a generation config holds None, an int or a list)."""
+    eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    return torch.tensor(eos, dtype=torch.long)
+
+
+def drafts_through_eos(tokens: torch.Tensor, eos_ids: torch.Tensor) -> torch.Tensor:
+    """How many of the drafts `tokens [..., k]` (k >= 1) are proposed: up to and including the first EOS, else all k.
+
+    The one rule for drafts after a drafted EOS: generate() crops them (`_crop_at_eos`), so they are never verified
+    and leave no carryover rows; the engine's rounds and stage-2 training follow it. One broadcast compare and no
+    host sync, so it also runs inside a captured CUDA graph."""
+    hit = (tokens[..., None] == eos_ids.to(tokens.device)).any(-1)  # [..., k]
+    return torch.where(hit.any(-1), hit.long().argmax(-1) + 1, torch.full_like(hit[..., 0], tokens.shape[-1],
+                                                                              dtype=torch.long))
 
 
 # ---------------------------------------------------------------------- hooking into generate()
@@ -205,4 +217,4 @@ def enable(target):
     return target
 
 
-__all__ = ["CarryoverCandidateGenerator", "install_generate_hook", "enable"]
+__all__ = ["CarryoverCandidateGenerator", "install_generate_hook", "enable", "eos_tensor", "drafts_through_eos"]
