@@ -67,7 +67,15 @@ def load_target(name, dtype, device):
     return evaluate_tau.load_target(name, dtype, device)  # "reference" or a model folder
 
 
-def run_hf(target, prompts, max_new, **kw):
+def sampling_kwargs(temperature):
+    """generate() arguments for one temperature: greedy at 0; else plain temperature sampling (no top-k/top-p from
+    the target's generation_config), the distribution the speculative paths must reproduce."""
+    if not temperature:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": float(temperature), "top_k": 0, "top_p": 1.0}
+
+
+def run_hf(target, prompts, max_new, temperature=0.0, **kw):
     """generate() one prompt at a time. τ: from our generator's recorded rounds (hf_spec), or, for loops that
     record nothing (transformers' own DFlash path), from the number of target forwards: every forward after
     the prefill is one verification round, so τ = (new tokens - 1) / (forwards - 1) (the prefill's token
@@ -85,7 +93,7 @@ def run_hf(target, prompts, max_new, **kw):
                 drafter.last_candidate_generator = None  # never read a previous method's rounds
             calls[0] = 0
             y, dt = _timed(lambda: target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
-                                                   do_sample=False, **kw))
+                                                   **sampling_kwargs(temperature), **kw))
             new = y.shape[1] - x.shape[1]
             n_tok += new
             secs += dt
@@ -108,17 +116,18 @@ def make_engine(target, drafter, max_len, profile=False, cuda_graphs=False, comp
                              compile=compile)
 
 
-def run_engine(engine, prompts, max_new, batch, eos):
+def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0):
     """One engine per (target, drafter) serves every dataset and batch size of a run, so a shape is captured and
     compiled once, not once per dataset (and torch.compile stays far below its recompile limit)."""
     drafter = engine.drafter
     chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+    kw = dict(max_new_tokens=max_new, eos_token_id=eos, do_sample=temperature > 0, temperature=temperature or 1.0)
     for size in sorted({len(c) for c in chunks}):  # warm-up, capture and compile outside the timed loop, per batch
-        engine.generate(next(c for c in chunks if len(c) == size), max_new_tokens=max_new, eos_token_id=eos)  # shape
+        engine.generate(next(c for c in chunks if len(c) == size), **kw)  # per shape
     engine.timing = dict.fromkeys(engine.timing, 0)  # the profile covers the timed calls only
     n_tok, secs, acc, modes = 0, 0.0, [], []
-    for chunk in chunks:
-        out, dt = _timed(lambda: engine.generate(chunk, max_new_tokens=max_new, eos_token_id=eos))
+    for i, chunk in enumerate(chunks):
+        out, dt = _timed(lambda: engine.generate(chunk, seed=i, **kw))
         n_tok += sum(len(o) for o in out)
         secs += dt
         acc += [a for rows in engine.rounds for a in rows]
@@ -141,6 +150,8 @@ def main():
     p.add_argument("--limit", type=int, default=10)
     p.add_argument("--max_new_tokens", type=int, default=256)
     p.add_argument("--batch_sizes", nargs="+", type=int, default=[1])
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; >0: sampling at this temperature "
+                   "(engine rows then run eagerly: CUDA graphs and compile cover greedy rounds only)")
     p.add_argument("--methods", nargs="*", help="subset of method names (default: all)")
     p.add_argument("--profile", action="store_true", help="engine: time draft/verify/other per round (adds syncs) "
                    "and check the latency model τ·T_ar/(T_draft+T_verify) against the measured speedup")
@@ -180,23 +191,20 @@ def main():
                                         args.cuda_graphs, args.compile)
         return engines[name]
 
+    T = args.temperature
+    hf = lambda pr, **kw: run_hf(target, pr, args.max_new_tokens, temperature=T, **kw)  # noqa: E731
+    eng = lambda name, d, pr, b: run_engine(engine_for(name, d), pr, args.max_new_tokens, b, eos, T)  # noqa: E731
     # fastest first: when a time box cuts the run, the engine rows and the HF baselines exist already
-    methods = [(f"engine_ar@{b}", lambda pr, b=b: run_engine(engine_for(None, None), pr, args.max_new_tokens, b,
-                                                                eos))
-               for b in args.batch_sizes]
-    methods += [(f"engine:{n}@{b}", lambda pr, n=n, d=d, b=b: run_engine(engine_for(n, d), pr, args.max_new_tokens,
-                                                                         b, eos))
+    methods = [(f"engine_ar@{b}", lambda pr, b=b: eng(None, None, pr, b)) for b in args.batch_sizes]
+    methods += [(f"engine:{n}@{b}", lambda pr, n=n, d=d, b=b: eng(n, d, pr, b))
                 for n, d in drafters.items() for b in args.batch_sizes]
-    methods += [("hf_eager", lambda pr: run_hf(target, pr, args.max_new_tokens))]
-    methods += [(f"hf_spec:{n}", lambda pr, d=d: run_hf(target, pr, args.max_new_tokens, assistant_model=d))
-                for n, d in drafters.items()]
-    methods += [(f"hf_own_dflash:{n}", lambda pr, d=d: run_hf(target, pr, args.max_new_tokens, assistant_model=d,
-                                                            speculation_type="dflash"))
+    methods += [("hf_eager", lambda pr: hf(pr))]
+    methods += [(f"hf_spec:{n}", lambda pr, d=d: hf(pr, assistant_model=d)) for n, d in drafters.items()]
+    methods += [(f"hf_own_dflash:{n}", lambda pr, d=d: hf(pr, assistant_model=d, speculation_type="dflash"))
                 for n, d in drafters.items() if d.config.drafter_type == "dflash" and d.config.mask_token_id is not None]
-    methods += [("hf_prompt_lookup", lambda pr: run_hf(target, pr, args.max_new_tokens, prompt_lookup_num_tokens=10))]
+    methods += [("hf_prompt_lookup", lambda pr: hf(pr, prompt_lookup_num_tokens=10))]
     if device == "cuda":
-        methods.append(("hf_static_compile", lambda pr: run_hf(target, pr, args.max_new_tokens,
-                                                               cache_implementation="static")))
+        methods.append(("hf_static_compile", lambda pr: hf(pr, cache_implementation="static")))
     if args.methods:
         methods = [m for m in methods if m[0].split("@")[0].split(":")[0] in args.methods or m[0] in args.methods]
 
@@ -208,7 +216,7 @@ def main():
             # engine rows warm up per batch shape inside run_engine)
             if not name.startswith("engine"):
                 fn([max(prompts, key=len)])
-            res = {"method": name, "dataset": dataset, "prompts": len(prompts), **fn(prompts)}
+            res = {"method": name, "dataset": dataset, "prompts": len(prompts), "temperature": T, **fn(prompts)}
             rows.append(res)
             raw.write(json.dumps(res) + "\n")
             raw.flush()
@@ -232,7 +240,7 @@ def main():
     if not args.cuda_graphs:
         not_covered["cuda_graphs"] = "engine rows ran eagerly; --cuda_graphs replays greedy rounds as CUDA graphs"
     summary = {"command": " ".join(["python"] + sys.argv), "environment": environment(),
-               "max_new_tokens": args.max_new_tokens, "cuda_graphs": args.cuda_graphs, "compile": args.compile,
+               "max_new_tokens": args.max_new_tokens, "temperature": T, "cuda_graphs": args.cuda_graphs, "compile": args.compile,
                "results": rows, "not_covered": not_covered}
     (out_dir / "bench.json").write_text(json.dumps(summary, indent=2))
     lines = ["| dataset | method | tok/s | τ | × hf_eager | × engine_ar@1 | mode |", "|---|---|---|---|---|---|---|"]

@@ -55,19 +55,21 @@ def bench_table(paths) -> str:
     """Speed rows of benchmark.py and bench_vllm.py; rows with "error" show it instead of numbers."""
     recs = [json.loads(line) for p in paths for line in Path(p).read_text().splitlines() if line.strip()]
 
-    def ratio(r, base):  # tok/s of r over that of row `base` on the same prompts (dataset and --limit); "–" if none
+    def ratio(r, base):  # tok/s of r over that of row `base` on the same prompts (dataset and --limit) and at the same
+        # temperature (rows without one are greedy); "–" if none
         ref = next((x for x in recs if base and x["method"] == base and x["dataset"] == r["dataset"]
-                    and x.get("prompts") == r.get("prompts") and x.get("tok_per_s")), None)
+                    and x.get("prompts") == r.get("prompts") and x.get("temperature", 0) == r.get("temperature", 0)
+                    and x.get("tok_per_s")), None)
         return f"{r['tok_per_s'] / ref['tok_per_s']:.2f}" if ref and r.get("tok_per_s") else "–"
 
-    out = ["| dataset | method | prompts | tok/s | τ | engine mode | × hf_eager | × engine_ar@1 | × own AR "
-           "| × vllm_ar |", "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| dataset | T | method | prompts | tok/s | τ | engine mode | × hf_eager | × engine_ar@1 | × own AR "
+           "| × vllm_ar |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in recs:
         batch = r["method"].partition("@")[2]
         tps = f"{r['tok_per_s']:.1f}" if r.get("tok_per_s") else "error: " + str(r.get("error"))[:80].replace("|", "/")
         tau = f"{r['tau']:.3f}" if r.get("tau") else "–"
         sp = [ratio(r, m) for m in ("hf_eager", "engine_ar@1", own_ar(r["method"]), batch and f"vllm_ar@{batch}")]
-        out.append(f"| {r['dataset']} | {r['method']} | {r['prompts']} | {tps} | {tau} | {r.get('mode', '–')} | "
+        out.append(f"| {r['dataset']} | {r.get('temperature', 0):g} | {r['method']} | {r['prompts']} | {tps} | {tau} | {r.get('mode', '–')} | "
                    + " | ".join(sp) + " |")
     return "\n".join(out)
 

@@ -134,8 +134,8 @@ def test_methods_rows_failures_and_table(tmp_path, monkeypatch):
         ("batch", "dataset", "method", "prompts", "seconds", "tau", "tok_per_s", "tokens")}
     table = bench_table([tmp_path / "bench_raw.jsonl"])
     # vllm_dflash:d@2 on mtbench: 250 vs 100 tok/s -> 2.50 against its own AR and against vllm_ar@2
-    assert "| mtbench | vllm_dflash:d@2 | 5 | 250.0 | 2.500 | – | – | – | 2.50 | 2.50 |" in table
-    assert "| humaneval | vllm_dflash:x@1 | 3 | error: startup: RuntimeError('no CUDA device') | – |" in table
+    assert "| mtbench | 0 | vllm_dflash:d@2 | 5 | 250.0 | 2.500 | – | – | – | 2.50 | 2.50 |" in table
+    assert "| humaneval | 0 | vllm_dflash:x@1 | 3 | error: startup: RuntimeError('no CUDA device') | – |" in table
 
 
 
@@ -147,8 +147,18 @@ def test_bench_table_ratios_only_within_one_prompt_set(tmp_path):
             {"method": "vllm_ar@1", "dataset": "d", "prompts": 10, "tok_per_s": 500.0}]
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     table = bench_table([tmp_path / "b.jsonl"]).splitlines()
-    assert table[3] == "| d | engine_ar@1 | 3 | 200.0 | – | – | 10.00 | 1.00 | – | – |"
-    assert table[4] == "| d | engine_ar@1 | 10 | 250.0 | – | – | – | 1.00 | – | 0.50 |"
+    assert table[3] == "| d | 0 | engine_ar@1 | 3 | 200.0 | – | – | 10.00 | 1.00 | – | – |"
+    assert table[4] == "| d | 0 | engine_ar@1 | 10 | 250.0 | – | – | – | 1.00 | – | 0.50 |"
+
+
+def test_bench_table_ratios_only_within_one_temperature(tmp_path):
+    """A sampled row is not compared with a greedy baseline (rows without a temperature are greedy)."""
+    rows = [{"method": "engine_ar@1", "dataset": "d", "prompts": 3, "tok_per_s": 100.0},
+            {"method": "engine_ar@1", "dataset": "d", "prompts": 3, "tok_per_s": 80.0, "temperature": 1.0},
+            {"method": "engine:x@1", "dataset": "d", "prompts": 3, "tok_per_s": 120.0, "temperature": 1.0}]
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    table = bench_table([tmp_path / "b.jsonl"]).splitlines()
+    assert table[4] == "| d | 1 | engine:x@1 | 3 | 120.0 | – | – | – | 1.50 | 1.50 | – |"
 
 FAKE_VLLM = '''"""A stand-in `vllm` package: records LLM(...) arguments, echoes the first prompt token, counts fake drafts."""
 import json, os

@@ -50,6 +50,16 @@ def test_benchmark_script_tiny(tmp_path):
     assert "cuda_graphs" not in summary["not_covered"]
     spec1 = next(r for r in summary["results"] if r["method"] == "engine:m@1")
     assert set(spec1["per_round_s"]) == {"draft", "verify", "other"} and spec1["predicted_speedup_vs_engine_ar"] > 0
+    # T=1: every path runs sampled and records its temperature (ratios compare rows of one temperature only)
+    cmd_t1 = cmd[:cmd.index("--profile")] + ["--methods", "hf_eager", "hf_spec", "engine_ar", "engine",
+                                             "--temperature", "1", "--out", str(tmp_path / "t1")]
+    subprocess.run(cmd_t1, check=True, env=env, capture_output=True, cwd=tmp_path)
+    t1 = json.loads((tmp_path / "t1" / "bench.json").read_text())
+    assert t1["temperature"] == 1.0 and {r["temperature"] for r in t1["results"]} == {1.0}
+    assert {r["method"] for r in t1["results"]} == {"hf_eager", "hf_spec:m", "hf_spec:p", "engine_ar@1", "engine_ar@3",
+                                                   "engine:m@1", "engine:m@3", "engine:p@1", "engine:p@3"}
+    assert all(0 < r["tokens"] <= 36 for r in t1["results"]) and all(r["tau"] >= 1 for r in t1["results"]
+                                                                       if r["method"].startswith(("hf_spec", "engine:")))
 
 
 def test_accelerate_launch_tiny_cpu(tmp_path):

@@ -65,6 +65,8 @@ def main():
                    "round, then captured): exactness against eager in fp32, tokens/s in bf16")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
                    help="order of the passes (put bf16 first when its timings matter most in a time box)")
+    p.add_argument("--kinds", nargs="+", default=["ar", "dflash"], choices=["ar", "dflash"],
+                   help="plain AR and/or a random DFlash drafter with Carryover (each compiled shape costs ~1 min)")
     args = p.parse_args()
     max_new = args.max_new_tokens or (16 if args.tiny else 128)
     shape = TINY if args.tiny else {}
@@ -99,7 +101,7 @@ def main():
             record({"dtype": dtype_name, "error": repr(e)[:500]})
             continue
         eos = target.config.eos_token_id
-        for kind in ("ar", "dflash"):
+        for kind in args.kinds:
             for b in args.batch_sizes:
                 row = {"dtype": dtype_name, "method": kind, "batch": b}
                 try:

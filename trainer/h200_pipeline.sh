@@ -57,6 +57,7 @@ mkdir -p "$R"
 flush() { tar czf "$A/.r.tgz" -C "$A" logs results 2>/dev/null && mv "$A/.r.tgz" "$OUT/results-$phase.tgz" || true; }
 trap flush EXIT
 
+have_target() { [ -f "$A/cache/SmolLM2-135M-Instruct/hf_carryover_source.json" ] || [ -f "$A/smollm2.gguf" ]; }
 join_gguf() {  # the reference GGUF from stash's half and the carried .device/p2 half, md5-checked
   cat "$A/part00" .device/p2/part01 > "$A/smollm2.gguf"
   (cd "$A" && echo "$(cut -d' ' -f1 "$OLDPWD/.device/p2/smollm2.md5")  smollm2.gguf" | md5sum -c -)
@@ -135,37 +136,56 @@ train1)
   pack dflash-stage1 && ship  # insurance; the Markov drafter (75 MB with its r=256 head) stays behind
   log "stage 1 done"; flush
   ;;
+prep)  # the target only: joins the GGUF (carry .device/p2, .whl) and converts it, plus the bf16 serving folder, so
+  # that phases started together in one call (e.g. `stage2 & engine`) find it ready instead of racing to make it
+  have_target || join_gguf
+  python3 -c "from hf_carryover.reference import reference_target as r; r()" 2>&1 | tail -1
+  [ -d "$A/serve/target" ] || python3 -c "from hf_carryover.reference import save_reference_for_serving as s; s('$A/serve/target')"
+  [ -d assets/prompts ] && [ ! -d "$A/prompts" ] && cp -r assets/prompts "$A/prompts"
+  log "target ready"
+  ;;
 stage2)
+  # S2_INIT=NAME continues from ~/assets/init/NAME (stashinit) instead of this machine's runs/TYPE-stage1/final.
+  # S2_RUNS (default "baseline carryover"): which continuations; S2_TAG names the Carryover run TYPE-carryoverTAG
+  # (a variant beside a shipped one); S2_GPU: the GPU of a run that is alone on its type.
+  RUNS=(${S2_RUNS:-baseline carryover})
   for i in "${!TYPES[@]}"; do
     typ=${TYPES[$i]}
+    init=$A/runs/$typ-stage1/final; [ -n "${S2_INIT:-}" ] && init=$A/init/$S2_INIT
     # equal steps for the pair, sized from stage 1's measured s/step: a Carryover step costs ~2 stage-1 steps;
     # a pair that time-slices one GPU takes ~3 N s1 for N steps of both, a pair on two GPUs ~2 N s1
     # (0.8 margin, 45 s for load/eval). CARRY_EXTRA adds flags to the Carryover run only (e.g. --carry_chain 2,
     # which costs more per step: give it S2_STEPS explicitly)
     g0=$i; g1=$i; share=3; [ ${#TYPES[@]} = 1 ] && { g1=1; share=2; }
-    fit=$(last_fit $A/runs/$typ-stage1/final/train_log.json || true)
+    [ ${#RUNS[@]} = 1 ] && { g0=${S2_GPU:-$i}; g1=$g0; }
+    fit=$(last_fit $init/train_log.json 2>/dev/null || true)
     N=${S2_STEPS:-$(python3 -c "print(int(0.8 * (${S2_MINUTES} * 60 - 45) / ($share * float('${fit#* }'))) if '$fit' else 800)")}
-    log "$typ stage 2: $N steps each (baseline on GPU $g0, Carryover on GPU $g1)"
-    CUDA_VISIBLE_DEVICES=$g1 python3 trainer/train.py --config trainer/configs/smollm2_stage2.json \
-      --init_from $A/runs/$typ-stage1/final --data_dir $A/data/train --eval_data_dir $A/data/eval \
-      --output_dir $A/runs/$typ-carryover --max_steps $N --max_minutes $S2_MINUTES ${TRAIN_EXTRA:-} ${CARRY_EXTRA:-} \
-      > "$L/train_$typ-carryover.log" 2>&1 &
-    CUDA_VISIBLE_DEVICES=$g0 python3 trainer/train.py --config trainer/configs/smollm2_stage2.json \
-      --init_from $A/runs/$typ-stage1/final --stage 1 --carryover false --num_anchors 256 \
-      --data_dir $A/data/train --eval_data_dir $A/data/eval \
-      --output_dir $A/runs/$typ-baseline --max_steps $N --max_minutes $S2_MINUTES ${TRAIN_EXTRA:-} \
-      > "$L/train_$typ-baseline.log" 2>&1 &
+    log "$typ stage 2 from $init: $N steps each, runs: ${RUNS[*]} (baseline: GPU $g0, Carryover: GPU $g1, if run)"
+    if [[ " ${RUNS[*]} " == *" carryover "* ]]; then
+      CUDA_VISIBLE_DEVICES=$g1 python3 trainer/train.py --config trainer/configs/smollm2_stage2.json \
+        --init_from $init --data_dir $A/data/train --eval_data_dir $A/data/eval \
+        --output_dir $A/runs/$typ-carryover${S2_TAG:-} --max_steps $N --max_minutes $S2_MINUTES ${TRAIN_EXTRA:-} \
+        ${CARRY_EXTRA:-} > "$L/train_$typ-carryover${S2_TAG:-}.log" 2>&1 &
+    fi
+    if [[ " ${RUNS[*]} " == *" baseline "* ]]; then
+      CUDA_VISIBLE_DEVICES=$g0 python3 trainer/train.py --config trainer/configs/smollm2_stage2.json \
+        --init_from $init --stage 1 --carryover false --num_anchors 256 \
+        --data_dir $A/data/train --eval_data_dir $A/data/eval \
+        --output_dir $A/runs/$typ-baseline --max_steps $N --max_minutes $S2_MINUTES ${TRAIN_EXTRA:-} \
+        > "$L/train_$typ-baseline.log" 2>&1 &
+    fi
   done
   wait
-  for t in "${TYPES[@]}"; do for v in baseline carryover; do r=$t-$v
+  P=""  # queue: the DFlash runs first (complete in this call), then the Markov ones
+  for t in "${TYPES[@]}"; do for v in ${RUNS[*]}; do r=$t-$v; [ $v = carryover ] && r=$r${S2_TAG:-}
+    P="$P $r"
     cp $A/runs/$r/final/eval_metrics.json "$L/eval_$r.json" || true
     cp $A/runs/$r/final/train_log.json "$L/trainlog_$r.json" || true
     log "$r: $(grep -o '"stopped_early_at_step": [0-9]*' $L/trainlog_$r.json || echo "all steps") $(grep -o '"step": [0-9]*' $L/trainlog_$r.json | tail -1)"
     log "$r eval: $(tr -d '\n ' < $L/eval_$r.json | head -c 300)"
   done; done
   flush
-  rm -rf $A/outbox/*  # queue: the DFlash pair first (complete in this call), then the Markov pair
-  P=""; for t in "${TYPES[@]}"; do P="$P $t-carryover $t-baseline"; done
+  rm -rf $A/outbox/*
   pack $P && ship
   log "stage 2 done"
   ;;
@@ -204,21 +224,33 @@ tau)  # τ of the four drafters at T=0 and T=1 through the batched engine (fp32)
   # replay's (checked on the H200: 1.373 both, DFlash baseline, MT-Bench); ~4 minutes for 4 x 344 prompts x 2 T.
   tau_run() {  # tau_run GPU NAME DRAFTER...
     local g=$1 n=$2; shift 2
+    local tv=TAU_TEMPS_G$g; local temps=${!tv:-${TAU_TEMPS:-0 1}}  # per GPU (TAU_TEMPS_G0), else for both
     CUDA_VISIBLE_DEVICES=$g timeout ${TAU_SECONDS:-250} python3 examples/evaluate_tau.py --prompts_dir $A/prompts \
       --dtype float32 --engine --engine_batch 128 --drafters "$@" --datasets mtbench humaneval sharegpt \
-      --temperatures 0 1 ${TAU_EXTRA:-} --out $R/tau_engine_$n > $R/tau_engine_$n.log 2>&1
+      --temperatures $temps ${TAU_EXTRA:-} --out $R/tau_engine_$n > $R/tau_engine_$n.log 2>&1
   }
-  # groups "NAME:drafter...": one type -> one drafter per GPU; two types -> one pair per GPU
-  groups=(); for t in "${TYPES[@]}"; do
-    if [ ${#TYPES[@]} = 1 ]; then groups+=("$t-baseline:$t-baseline" "$t-carryover:$t-carryover")
-    else groups+=("$t:$t-baseline $t-carryover"); fi
-  done
-  for i in "${!groups[@]}"; do D=""; for d in ${groups[$i]#*:}; do D="$D $d=$A/runs/$d/final"; done
-    tau_run $i ${groups[$i]%%:*} $D &
+  # groups "NAME:drafter...": one type -> one drafter per GPU; two types -> one pair per GPU. TAU_G0 / TAU_G1 instead
+  # name the entries of GPU 0 / GPU 1 themselves: LABEL=RUN[,config=value], RUN from runs/RUN/final or else the
+  # stashed init/RUN or drafters/RUN, e.g. "carry-off=dflash-carryover,carryover=false" (rows withheld)
+  resolve() {  # LABEL=RUN[,opts] -> LABEL=FOLDER[,opts]
+    local label=${1%%=*} rest=${1#*=}; local run=${rest%%,*} opts=""; [[ $rest == *,* ]] && opts=,${rest#*,}
+    for f in $A/runs/$run/final $A/init/$run $A/drafters/$run; do [ -d $f ] && { echo "$label=$f$opts"; return; }; done
+    log "tau: no drafter folder for $run"
+  }
+  groups=()
+  if [ -n "${TAU_G0:-}${TAU_G1:-}" ]; then
+    for g in 0 1; do v=TAU_G$g; [ -n "${!v:-}" ] && groups+=("gpu$g:${!v}"); done
+  else for t in "${TYPES[@]}"; do
+    if [ ${#TYPES[@]} = 1 ]; then groups+=("$t-baseline:$t-baseline=$t-baseline" "$t-carryover:$t-carryover=$t-carryover")
+    else groups+=("$t:$t-baseline=$t-baseline $t-carryover=$t-carryover"); fi
+  done; fi
+  for i in "${!groups[@]}"; do D=""; for e in ${groups[$i]#*:}; do D="$D $(resolve $e)"; done
+    g=$i; [[ ${groups[$i]} == gpu[01]:* ]] && g=${groups[$i]:3:1}
+    tau_run $g ${groups[$i]%%:*} $D &
   done
   wait
-  for g in "${groups[@]}"; do D=""; for d in ${g#*:}; do D="$D $d=x"; done
-    python3 examples/evaluate_tau.py --out $R/tau_engine_${g%%:*} --summarize_only --drafters $D | tail -6 || true
+  for g in "${groups[@]}"; do D=""; for e in ${g#*:}; do D="$D ${e%%=*}=x"; done
+    python3 examples/evaluate_tau.py --out $R/tau_engine_${g%%:*} --summarize_only --drafters $D | tail -8 || true
   done
   ;;
 fetch)  # the parts still queued, 4 a call
@@ -239,7 +271,7 @@ vllmstash)
   ;;
 vllm)
   [ -d "$A/vllm_site/vllm" ] || { log "no vLLM in $A/vllm_site: run vllmstash carrying .vllm/bundle first"; exit 1; }
-  [ -f "$A/cache/SmolLM2-135M-Instruct/hf_carryover_source.json" ] || [ -f "$A/smollm2.gguf" ] || join_gguf
+  have_target || join_gguf
   [ -d "$A/prompts" ] || cp -r assets/prompts "$A/prompts"
   S=$A/serve; rm -rf "$S" && mkdir -p "$S"
   python3 -c "from hf_carryover.reference import save_reference_for_serving as s; print(s('$S/target'))" 2>&1 | tail -1
@@ -282,20 +314,37 @@ vllm)
   cat $R/bench_table.md
   log "vllm done"
   ;;
-engine)  # compiled-engine rows only (no vLLM), two jobs on two GPUs, e.g. the rows a `vllm` call's time box cut:
-  # E0/E1="METHODS|DRAFTERS|DATASETS" (DRAFTERS from ~/assets/drafters, stashed by vllmstash carrying .vllm/drafters)
-  [ -f "$A/cache/SmolLM2-135M-Instruct/hf_carryover_source.json" ] || [ -f "$A/smollm2.gguf" ] || join_gguf
+engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are the jobs of GPU 0 / GPU 1, run in order,
+  # separated by ';'. A job is "METHODS|DRAFTERS|DATASETS|FLAGS": benchmark.py methods, drafter names (from
+  # ~/assets/drafters, stashed by vllmstash carrying .vllm/drafters, else runs/NAME/final), datasets, flags that
+  # override the defaults below (e.g. --compile, --limit 32 --batch_sizes 1 2 4 8 16, --temperature 1) and an optional
+  # fifth field, the job's time box in seconds (default ENGINE_BOX). The job
+  # "check" runs the fp32 exactness check of compiled rounds with a random drafter (CHECK_SECONDS).
+  # Each job's rows land in $R/<gpu>_<job>/bench_raw.jsonl, flushed to $OUT after every job.
+  have_target || join_gguf
   S=$A/serve; [ -d "$S/target" ] || python3 -c "from hf_carryover.reference import save_reference_for_serving as s; s('$S/target')"
-  ejob() {  # ejob GPU "METHODS|DRAFTERS|DATASETS"
-    IFS='|' read -r m d ds <<< "$2"; D=""; for n in $d; do D="$D $n=$A/drafters/$n"; done
-    CUDA_VISIBLE_DEVICES=$1 timeout ${ENGINE_BOX:-300} python3 examples/benchmark.py --target $S/target --prompts_dir $A/prompts \
+  [ -d "$A/prompts" ] || cp -r assets/prompts "$A/prompts"
+  ejob() {  # ejob GPU INDEX "METHODS|DRAFTERS|DATASETS|FLAGS"
+    if [ "$3" = check ]; then
+      CUDA_VISIBLE_DEVICES=$1 timeout ${CHECK_SECONDS:-200} python3 trainer/gpu_engine_check.py --compile --dtypes fp32 \
+        --kinds ${CHECK_KINDS:-dflash} --batch_sizes 1 --out $R/gpu_engine_check_fp32.json > "$L/check.log" 2>&1 \
+        || log "engine check stopped: $?"
+      flush; return
+    fi
+    IFS='|' read -r m d ds fl box <<< "$3"; D=""
+    for n in $d; do f=$A/drafters/$n; [ -d $f ] || f=$A/runs/$n/final; D="$D $n=$f"; done
+    CUDA_VISIBLE_DEVICES=$1 timeout ${box:-${ENGINE_BOX:-300}} python3 examples/benchmark.py --target $S/target --prompts_dir $A/prompts \
       --methods $m ${D:+--drafters $D} --datasets $ds --limit ${VLLM_LIMIT:-10} --max_new_tokens ${VLLM_MAX_NEW:-256} \
-      --batch_sizes ${VLLM_BATCHES:-1 8} --cuda_graphs ${ENGINE_FLAGS:-} --out $OUT/engine_gpu$1 > "$L/bench_gpu$1.log" 2>&1 \
-      || log "engine job on GPU $1 stopped: $?"
+      --batch_sizes ${VLLM_BATCHES:-1 8} --cuda_graphs ${ENGINE_FLAGS:-} $fl --out $R/gpu$1_$2 > "$L/bench_gpu$1_$2.log" 2>&1 \
+      || log "engine job $2 on GPU $1 stopped: $?"
     flush
   }
-  ejob 0 "$E0" & ejob 1 "$E1"; wait
-  cat $OUT/engine_gpu*/bench_raw.jsonl > $R/bench_raw.jsonl  # rows land in $OUT as they finish
+  gjobs() {  # the jobs of one GPU in order (each trimmed of surrounding blanks)
+    local g=$1 i=0; IFS=';' read -ra J <<< "$2"
+    for j in "${J[@]}"; do j=$(sed 's/^ *//; s/ *$//' <<< "$j"); [ -n "$j" ] && ejob $g $i "$j"; i=$((i+1)); done
+  }
+  gjobs 0 "${E0:-}" & gjobs 1 "${E1:-}"; wait
+  cat $R/gpu*_*/bench_raw.jsonl > $R/bench_raw.jsonl 2>/dev/null || true
   python3 examples/results_tables.py --bench $R/bench_raw.jsonl > $R/bench_table.md 2>&1 || true
   cat $R/bench_table.md
   ;;
