@@ -14,27 +14,31 @@ import json
 from pathlib import Path
 
 
-def tau_table(paths) -> str:
+def tau_table(paths, baseline: str | None = None) -> str:
+    """One table per temperature. Gains: against `baseline` for every other drafter if given, else a `X-carryover`
+    drafter against `X-baseline`. Drafters without rows at a temperature are left out of its table."""
     rows = {}
     for p in paths:
         for r in json.loads(Path(p).read_text())["results"].values():
             rows[(r["drafter"], r["dataset"], r["temperature"])] = r
     datasets = sorted({d for _, d, _ in rows})
     temps = sorted({t for _, _, t in rows})
-    drafters = sorted({n for n, _, _ in rows})
     out = []
     for t in temps:
+        drafters = sorted({n for n, _, t2 in rows if t2 == t})
+        prompts = {d: next((r["prompts"] for (_, d2, t2), r in rows.items() if d2 == d and t2 == t), "?")
+                   for d in datasets}
         out += [f"**T = {t:g}** (τ = mean tokens per target forward in draft rounds; prompts per dataset in brackets)", "",
-                "| drafter | " + " | ".join(f"{d} ({rows.get((drafters[0], d, t), {}).get('prompts', '?')})"
-                                            for d in datasets) + " | mean |",
+                "| drafter | " + " | ".join(f"{d} ({prompts[d]})" for d in datasets) + " | mean |",
                 "|---|" + "---|" * (len(datasets) + 1)]
         for n in drafters:
             vals = [rows[(n, d, t)]["tau"] if (n, d, t) in rows else None for d in datasets]
             got = [v for v in vals if v is not None]
             mean = sum(got) / len(got) if got else None
             cells = [f"{v:.3f}" if v is not None else "–" for v in vals] + [f"{mean:.3f}" if mean else "–"]
-            if n.endswith("-carryover") and all((n.replace("-carryover", "-baseline"), d, t) in rows for d in datasets):
-                base = [rows[(n.replace("-carryover", "-baseline"), d, t)]["tau"] for d in datasets]
+            ref = baseline if baseline else n.replace("-carryover", "-baseline") if n.endswith("-carryover") else None
+            if ref and ref != n and all((ref, d, t) in rows for d in datasets):
+                base = [rows[(ref, d, t)]["tau"] for d in datasets]
                 gains = [v / b - 1 for v, b in zip(vals, base)]
                 cells = [f"{c} ({g:+.1%})" for c, g in zip(cells[:-1], gains)] + [
                     f"{cells[-1]} ({mean / (sum(base) / len(base)) - 1:+.1%})"]
@@ -52,8 +56,13 @@ def own_ar(method: str) -> str | None:
 
 
 def bench_table(paths) -> str:
-    """Speed rows of benchmark.py and bench_vllm.py; rows with "error" show it instead of numbers."""
-    recs = [json.loads(line) for p in paths for line in Path(p).read_text().splitlines() if line.strip()]
+    """Speed rows of benchmark.py and bench_vllm.py (bench.json or bench_raw.jsonl files); rows with "error" show it
+    instead of numbers."""
+    recs = []
+    for p in map(Path, paths):  # benchmark.py's bench.json (its "results") or raw rows (bench_raw.jsonl)
+        text = p.read_text()
+        recs += json.loads(text)["results"] if p.suffix == ".json" else [json.loads(x) for x in text.splitlines()
+                                                                           if x.strip()]
 
     def ratio(r, base):  # tok/s of r over that of row `base` on the same prompts (dataset and --limit) and at the same
         # temperature (rows without one are greedy); "–" if none
@@ -78,9 +87,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tau", nargs="*", default=[])
     p.add_argument("--bench", nargs="*", default=[])
+    p.add_argument("--baseline", help="τ gains of every drafter against this one (default: X-carryover vs X-baseline)")
     args = p.parse_args()
     if args.tau:
-        print(tau_table(args.tau))
+        print(tau_table(args.tau, args.baseline))
     if args.bench:
         print(bench_table(args.bench))
 

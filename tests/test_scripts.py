@@ -52,10 +52,10 @@ def test_benchmark_script_tiny(tmp_path):
     assert set(spec1["per_round_s"]) == {"draft", "verify", "other"} and spec1["predicted_speedup_vs_engine_ar"] > 0
     # T=1: every path runs sampled and records its temperature (ratios compare rows of one temperature only)
     cmd_t1 = cmd[:cmd.index("--profile")] + ["--methods", "hf_eager", "hf_spec", "engine_ar", "engine",
-                                             "--temperature", "1", "--out", str(tmp_path / "t1")]
+                                             "--temperature", "1", "--warmup", "all", "--out", str(tmp_path / "t1")]
     subprocess.run(cmd_t1, check=True, env=env, capture_output=True, cwd=tmp_path)
     t1 = json.loads((tmp_path / "t1" / "bench.json").read_text())
-    assert t1["temperature"] == 1.0 and {r["temperature"] for r in t1["results"]} == {1.0}
+    assert t1["temperature"] == 1.0 and {r["temperature"] for r in t1["results"]} == {1.0} and t1["warmup"] == "all"
     assert {r["method"] for r in t1["results"]} == {"hf_eager", "hf_spec:m", "hf_spec:p", "engine_ar@1", "engine_ar@3",
                                                    "engine:m@1", "engine:m@3", "engine:p@1", "engine:p@3"}
     assert all(0 < r["tokens"] <= 36 for r in t1["results"]) and all(r["tau"] >= 1 for r in t1["results"]
@@ -171,6 +171,13 @@ def test_results_tables_gain_against_own_baseline(tmp_path):
     table = tau_table([tmp_path / "s.json"])
     assert "| x-carryover | 2.200 (+10.0%) | 1.500 (+0.0%) | 1.850 (+5.7%) |" in table
     assert "| x-baseline | 2.000 | 1.500 | 1.750 |" in table
+    # --baseline: every drafter against a named one; a drafter with no T=1 rows is not in the T=1 table
+    res["v|a|1"] = {"drafter": "x-baseline", "dataset": "a", "temperature": 1.0, "tau": 1.2, "prompts": 3}
+    (tmp_path / "s.json").write_text(json.dumps({"results": res}))
+    table = tau_table([tmp_path / "s.json"], baseline="x-carryover")
+    assert "| x-baseline | 2.000 (-9.1%) | 1.500 (+0.0%) | 1.750 (-5.4%) |" in table
+    t1 = table[table.index("**T = 1**"):]
+    assert "x-carryover" not in t1 and "| x-baseline | 1.200 | – | 1.200 |" in t1
 
 
 def test_compare_rounds(tmp_path):
@@ -189,3 +196,25 @@ def test_compare_rounds(tmp_path):
     g = json.loads(out.read_text())["groups"]["d|x|T=0.0"]
     assert g["prompts"] == 3 and g["same_rounds_but_last"] == 2 and g["differing_ids"] == ["3"]
     assert abs(g["tau_a"] - (11 + 7) / 7) < 1e-9  # 11 accepted drafts in 7 rounds
+
+
+def test_paired_tau(tmp_path):
+    """Per-prompt τ differences on the prompts both drafters decoded, with the standard error of their mean."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import paired_tau
+
+    recs = [("a", "d", 1, [1, 1]), ("b", "d", 1, [0, 0]),   # τ 2 vs 1
+            ("a", "d", 2, [0]), ("b", "d", 2, [1, 0]),      # τ 1 vs 1.5
+            ("a", "d", 3, [2]), ("b", "e", 3, [0])]         # no partner: left out
+    raw = tmp_path / "raw-engine.jsonl"
+    raw.write_text("".join(json.dumps({"drafter": n, "dataset": ds, "temperature": 0.0, "id": i, "accepted": acc}) + "\n"
+                           for n, ds, i, acc in recs))
+    out = tmp_path / "paired.json"
+    paired_tau.main(["--raw", str(raw), "--pair", "a:b", "--out", str(out)])
+    r = json.loads(out.read_text())["pairs"]["a:b"]
+    assert r["all"]["prompts"] == 2 and r["all"]["mean_diff"] == pytest.approx(0.25)
+    assert r["all"]["se"] == pytest.approx(0.75)  # diffs +1 and -0.5: sd 1.0607, / sqrt(2)
+    assert r["all"]["tau_a"] == pytest.approx(5 / 3) and r["all"]["tau_b"] == pytest.approx(5 / 4)
+    assert (r["all"]["a_better"], r["all"]["b_better"]) == (1, 1) and set(r) == {"d|T=0.0", "all"}
+    with pytest.raises(SystemExit, match="no records for"):
+        paired_tau.main(["--raw", str(raw), "--pair", "a:zz", "--out", str(out)])

@@ -2,11 +2,14 @@
 # The H200 runs of the reference drafters on `nvidia-h200-x2` (2 GPUs), one phase per device call. The machine
 # goes back 30 s after a call, so each phase is issued as soon as the previous one returns:
 #   stash   carries GGUF part 1 and the regenerated responses to ~/assets
+#   prep    the target alone (joins the GGUF, converts it, writes the bf16 serving folder): for calls that start
+#           phases side by side, e.g. `prep && (stage2 & engine; wait)`
 #   stashinit  carries .init/NAME (a drafter folder) for train1's S1_INIT=NAME: stage 1 continues from it
 #   train1  joins the GGUF (md5-checked), converts it, trains stage 1: DFlash on GPU 0, Markov on GPU 1, each
 #           with its LR schedule fitted to S1_MINUTES; returns bf16 stage-1 drafters (insurance)
 #   stage2  per type (GPU 0 DFlash, GPU 1 Markov) two continuations of S2_STEPS each from the same stage-1
-#           checkpoint: baseline (stage-1 objective) and Carryover; returns the DFlash pair
+#           checkpoint: baseline (stage-1 objective) and Carryover; returns the DFlash pair. S2_INIT, S2_RUNS,
+#           S2_TAG and S2_GPU run a single Carryover variant from a stashed drafter (see the phase)
 #   eval    GPU 0: a time-boxed τ cross-check through generate() itself (T=0 and T=1, GEN_LIMIT prompts);
 #           GPU 1: engine check, examples/benchmark.py, profile and 4B projection (τ proper: the `tau` phase)
 #   tau     τ of the four drafters, T=0 and T=1, batched engine in fp32 (one pair per GPU; ~4 min)
@@ -16,7 +19,8 @@
 #           HF drafter folders, ~25 MB each in bf16, e.g. runs/h200v2/pack/dflash-baseline), .device/p1 and
 #           assets/prompts (a fresh machine's GGUF half and prompts). Make the bundle on a networked machine with
 #           `bash ../shared/tools/make_vllm_bundle.sh .vllm/bundle`; /.vllm/ is git-ignored.
-#   engine  compiled-engine benchmark rows on both GPUs without vLLM (E0, E1: see the phase)
+#   engine  benchmark rows (engine, HF) and the fp32 compile check on both GPUs without vLLM: E0, E1 are each
+#           GPU's jobs in order (see the phase)
 #   vllm    vLLM 0.26 against our engine on the same prompts, target weights and settings (GPU 0: examples/bench_vllm.py,
 #           GPU 1 or after it: benchmark.py engine rows), both appending to results/vllm/bench/bench_raw.jsonl. Needs
 #           vllmstash's install and the converted target (train1), or .device/p2 + .whl carried to convert it here.
@@ -30,6 +34,8 @@
 # Second run of 2026-11-30 (examples/results/h200-2026-11-30b/): stash; stashinit (.init/dflash-stage1); TYPES=dflash
 # S1_MINUTES=6 S1_INIT=dflash-stage1 train1; stage2 (S2_MINUTES=3.5) + tau in one call; vllmstash; vllm with
 # ENGINE_FLAGS=--compile VLLM_GPU1_EXTRA=1; engine (the compiled rows vllm's box cut); ~28 device-minutes.
+# Third run of 2026-11-30 (examples/results/h200-2026-11-30c/): stash; stashinit; vllmstash (.vllm/drafters); prep +
+# stage2 (Carryover variant, GPU 0) beside engine (GPU 1); tau; engine (HF rows, T=1); two stage2 variants; tau.
 # With drafter weights committed in model_cards/, run `bash trainer/device_tree.sh light` before the calls.
 # Checkpoints: stage2 packs all four drafters in bf16 and queues them as tar parts (DFlash pair first); each call
 # ships the oldest 4 parts.
@@ -320,14 +326,16 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
   # override the defaults below (e.g. --compile, --limit 32 --batch_sizes 1 2 4 8 16, --temperature 1) and an optional
   # fifth field, the job's time box in seconds (default ENGINE_BOX). The job
   # "check" runs the fp32 exactness check of compiled rounds with a random drafter (CHECK_SECONDS).
-  # Each job's rows land in $R/<gpu>_<job>/bench_raw.jsonl, flushed to $OUT after every job.
+  # Each job's rows land in $R/<HHMMSS of this call>_gpu<g>_<job>/bench_raw.jsonl (a later call on the same warm
+  # machine gets its own folders), flushed to $OUT after every job.
+  stamp=$(date +%H%M%S)
   have_target || join_gguf
   S=$A/serve; [ -d "$S/target" ] || python3 -c "from hf_carryover.reference import save_reference_for_serving as s; s('$S/target')"
   [ -d "$A/prompts" ] || cp -r assets/prompts "$A/prompts"
   ejob() {  # ejob GPU INDEX "METHODS|DRAFTERS|DATASETS|FLAGS"
     if [ "$3" = check ]; then
       CUDA_VISIBLE_DEVICES=$1 timeout ${CHECK_SECONDS:-200} python3 trainer/gpu_engine_check.py --compile --dtypes fp32 \
-        --kinds ${CHECK_KINDS:-dflash} --batch_sizes 1 --out $R/gpu_engine_check_fp32.json > "$L/check.log" 2>&1 \
+        --kinds ${CHECK_KINDS:-dflash} --batch_sizes 1 --out $R/${stamp}_engine_check_fp32.json > "$L/check_$stamp.log" 2>&1 \
         || log "engine check stopped: $?"
       flush; return
     fi
@@ -335,7 +343,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
     for n in $d; do f=$A/drafters/$n; [ -d $f ] || f=$A/runs/$n/final; D="$D $n=$f"; done
     CUDA_VISIBLE_DEVICES=$1 timeout ${box:-${ENGINE_BOX:-300}} python3 examples/benchmark.py --target $S/target --prompts_dir $A/prompts \
       --methods $m ${D:+--drafters $D} --datasets $ds --limit ${VLLM_LIMIT:-10} --max_new_tokens ${VLLM_MAX_NEW:-256} \
-      --batch_sizes ${VLLM_BATCHES:-1 8} --cuda_graphs ${ENGINE_FLAGS:-} $fl --out $R/gpu$1_$2 > "$L/bench_gpu$1_$2.log" 2>&1 \
+      --batch_sizes ${VLLM_BATCHES:-1 8} --cuda_graphs ${ENGINE_FLAGS:-} $fl --out $R/${stamp}_gpu$1_$2 > "$L/bench_${stamp}_gpu$1_$2.log" 2>&1 \
       || log "engine job $2 on GPU $1 stopped: $?"
     flush
   }
@@ -344,9 +352,9 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
     for j in "${J[@]}"; do j=$(sed 's/^ *//; s/ *$//' <<< "$j"); [ -n "$j" ] && ejob $g $i "$j"; i=$((i+1)); done
   }
   gjobs 0 "${E0:-}" & gjobs 1 "${E1:-}"; wait
-  cat $R/gpu*_*/bench_raw.jsonl > $R/bench_raw.jsonl 2>/dev/null || true
-  python3 examples/results_tables.py --bench $R/bench_raw.jsonl > $R/bench_table.md 2>&1 || true
-  cat $R/bench_table.md
+  cat $R/${stamp}_gpu*_*/bench_raw.jsonl > $R/bench_raw_$stamp.jsonl 2>/dev/null || true
+  python3 examples/results_tables.py --bench $R/bench_raw_$stamp.jsonl > $R/bench_table_$stamp.md 2>&1 || true
+  cat $R/bench_table_$stamp.md
   ;;
 esac
 ls -la "$OUT"
