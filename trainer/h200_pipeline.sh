@@ -5,6 +5,7 @@
 #   prep    the target alone (joins the GGUF, converts it, writes the bf16 serving folder): for calls that start
 #           phases side by side, e.g. `prep && (stage2 & engine; wait)`
 #   stashinit  carries .init/NAME (a drafter folder) for train1's S1_INIT=NAME: stage 1 continues from it
+#           (S1_INIT=@previous: from this machine's last train1, so that train1 calls chain in one session)
 #   train1  joins the GGUF (md5-checked), converts it, trains stage 1: DFlash on GPU 0, Markov on GPU 1, each
 #           with its LR schedule fitted to S1_MINUTES; returns bf16 stage-1 drafters (insurance)
 #   stage2  per type (GPU 0 DFlash, GPU 1 Markov) two continuations of S2_STEPS each from the same stage-1
@@ -109,10 +110,19 @@ stashinit)  # carries .init/NAME (a bf16 drafter folder, ~24 MB) for train1's S1
   [ -d assets/prompts ] && rm -rf "$A/prompts" && cp -r assets/prompts "$A/prompts" && log "stashed prompts"
   ;;
 train1)
-  join_gguf
+  if [ -d .device/p2 ]; then join_gguf  # a later train1 on a warm machine needs no GGUF half
+  else have_target || { log "no target here: carry .device/p2 (and .whl)"; exit 2; }; fi
   [ -d assets/prompts ] && rm -rf "$A/prompts" && cp -r assets/prompts "$A/prompts"
-  # S1_INIT=NAME: continue stage 1 from ~/assets/init/NAME (stashinit), e.g. the previous run's stage-1 drafter
+  # S1_INIT=NAME: continue stage 1 from ~/assets/init/NAME (stashinit), e.g. the previous run's stage-1 drafter.
+  # S1_INIT=@previous: continue from this machine's last train1 (its runs/TYPE-stage1 moves aside first, so that the
+  # new run starts from its final weights with a fresh schedule, not from its checkpoints): train1 calls chain
   INIT=""; [ -n "${S1_INIT:-}" ] && INIT="--init_from $A/init/$S1_INIT"
+  if [ "${S1_INIT:-}" = @previous ]; then
+    [ ${#TYPES[@]} = 1 ] || { log "S1_INIT=@previous needs one type (TYPES=dflash or TYPES=markov)"; exit 2; }
+    prev=$A/runs/${TYPES[0]}-stage1-$(date +%H%M%S)
+    [ -d $A/runs/${TYPES[0]}-stage1/final ] || { log "S1_INIT=@previous: no earlier ${TYPES[0]} stage 1 here"; exit 2; }
+    mv $A/runs/${TYPES[0]}-stage1 $prev && INIT="--init_from $prev/final" && log "stage 1 continues from $prev/final"
+  fi
   python3 -c "from hf_carryover.reference import reference_target as r; r()" 2>&1 | tail -2
   log "target converted"
   if [ ${#TYPES[@]} = 1 ]; then  # one type, both GPUs: data-parallel stage 1 (global batch 2 x per-device)
@@ -191,8 +201,8 @@ stage2)
     log "$r eval: $(tr -d '\n ' < $L/eval_$r.json | head -c 300)"
   done; done
   flush
-  rm -rf $A/outbox/*
-  pack $P && ship
+  for r in $P; do rm -f $A/outbox/*-ckpt-$r.tar.part*; done  # this call's runs only: a stage2 phase beside
+  pack $P && ship                                              # another keeps the other's queued parts
   log "stage 2 done"
   ;;
 eval)
