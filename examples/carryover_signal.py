@@ -13,6 +13,9 @@ training sees them):
   * `later_rows_right[i]`: P(row a+1+i right about position t+a+2+i), for the later rejected rows.
 A small headroom means the rejected states carry little the drafter lacks (at this drafter's quality); a large
 one with a Carryover drafter that ignores the rows (carry == carry-off τ) means training has not taught it.
+`by_accepted` splits the rejections by a, the drafts accepted before the rejection: the Carryover paper's gains
+come from drafters at τ 3-6, whose rejections mostly follow long accepted runs; if the rows hold more after long
+runs (near misses), a weak drafter's few long runs show it first.
 
     python examples/carryover_signal.py --drafter model_cards/smollm2-135m-instruct-dflash \\
         --data runs/data/data/eval --limit 16 --num_anchors 64 --out signal.json
@@ -28,32 +31,34 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from evaluate_tau import environment  # noqa: E402
+from evaluate_tau import environment, load_target  # noqa: E402
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafter", required=True)
     p.add_argument("--data", default="runs/data/data/eval", help="response shards (trainer/regenerate.py)")
     p.add_argument("--limit", type=int, default=16)
     p.add_argument("--num_anchors", type=int, default=64)
     p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--target", default="reference", help="'reference' or a model folder")
     p.add_argument("--out")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     from hf_carryover import Drafter
-    from hf_carryover.reference import reference_target
     from hf_carryover.training.data import ResponseCollator, ResponseDataset
     from hf_carryover.training.objectives import (block_targets, draft_blocks, greedy_proposals, sample_anchors,
                                                   target_pass, verify_all)
 
-    target, tok = reference_target(dtype=torch.float32)
+    target = load_target(args.target, torch.float32, "cpu")
     drafter = Drafter.from_pretrained(args.drafter, dtype=torch.float32).eval()
     drafter.bind_target(target)
     data = ResponseDataset(args.data, max_records=args.limit)
-    collate = ResponseCollator(tok.pad_token_id or 0)
+    collate = ResponseCollator(target.config.pad_token_id or 0)
     k = drafter.config.num_proposals
     n = {"rejections": 0, "row_right": 0, "drafter_right": 0, "headroom": 0}
+    buckets = {"a=0": (0, 1), "a=1": (1, 2), "a=2": (2, 3), "a>=3": (3, k + 1)}  # [lo, hi) of accepted drafts
+    by_a = {b: dict.fromkeys(n, 0) for b in buckets}
     later_hit, later_n = torch.zeros(k), torch.zeros(k)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -87,12 +92,21 @@ def main():
             n["row_right"] += int(row_right.sum())
             n["drafter_right"] += int(dr_right.sum())
             n["headroom"] += int((row_right & ~dr_right).sum())
+            for b, (lo, hi) in buckets.items():
+                m = ok & (acc >= lo) & (acc < hi)
+                for key, x in (("rejections", m), ("row_right", row_right & m), ("drafter_right", dr_right & m),
+                               ("headroom", row_right & ~dr_right & m)):
+                    by_a[b][key] += int(x.sum())
             print(f"{min(i + args.batch, len(data))}/{len(data)} responses, {n['rejections']} rejections", flush=True)
     r = max(n["rejections"], 1)
     res = {"command": " ".join(["python"] + sys.argv), "environment": environment(), "drafter": args.drafter,
+           "target": args.target,
            "rejections": n["rejections"], "first_rejected_row_right": n["row_right"] / r,
            "drafter_right": n["drafter_right"] / r, "headroom": n["headroom"] / r,
-           "later_rows_right": [round(float(h / max(c, 1)), 4) for h, c in zip(later_hit, later_n)][:8]}
+           "later_rows_right": [round(float(h / max(c, 1)), 4) for h, c in zip(later_hit, later_n)][:8],
+           "by_accepted": {b: {"rejections": c["rejections"],
+                               **{f"{key}_rate": round(c[key] / max(c["rejections"], 1), 4)
+                                  for key in ("row_right", "drafter_right", "headroom")}} for b, c in by_a.items()}}
     print(json.dumps(res, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2) + "\n")

@@ -218,3 +218,29 @@ def test_paired_tau(tmp_path):
     assert (r["all"]["a_better"], r["all"]["b_better"]) == (1, 1) and set(r) == {"d|T=0.0", "all"}
     with pytest.raises(SystemExit, match="no records for"):
         paired_tau.main(["--raw", str(raw), "--pair", "a:zz", "--out", str(out)])
+
+
+def test_carryover_signal_by_accepted(tmp_path):
+    """The carryover-signal probe on a tiny target: the split by accepted drafts partitions the rejections."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import carryover_signal
+    from test_training import tiny_target
+
+    from hf_carryover.training.data import regenerate_responses
+
+    target = tiny_target()
+    target.save_pretrained(tmp_path / "target")
+    build_drafter(target, "dflash", False).save_pretrained(tmp_path / "drafter")
+    regenerate_responses(target, [(f"p{i}", [3 + i, 9, 4, 7]) for i in range(4)], tmp_path / "data",
+                         max_new_tokens=24, batch_size=4)
+    out = tmp_path / "signal.json"
+    carryover_signal.main(["--drafter", str(tmp_path / "drafter"), "--target", str(tmp_path / "target"),
+                           "--data", str(tmp_path / "data"), "--limit", "4", "--num_anchors", "8", "--out", str(out)])
+    r = json.loads(out.read_text())
+    by = r["by_accepted"]
+    assert r["rejections"] > 0 and sum(b["rejections"] for b in by.values()) == r["rejections"]
+    for key in ("row_right", "drafter_right", "headroom"):  # bucket rates recombine into the overall rate
+        total = sum(b[f"{key}_rate"] * b["rejections"] for b in by.values())
+        overall = r["first_rejected_row_right" if key == "row_right" else key] * r["rejections"]
+        assert total == pytest.approx(overall, abs=0.01 * len(by))
+    assert all(b["headroom_rate"] <= b["row_right_rate"] for b in by.values())
