@@ -252,7 +252,8 @@ def test_failed_capture_falls_back_to_eager_with_one_warning(monkeypatch):
 @pytest.mark.parametrize("typ", ["dflash", None])
 def test_compiled_round_equals_eager(typ):
     """compile=True runs the same round through torch.compile (inductor's C++ backend here): same tokens, same
-    rounds as the eager engine in fp32, and the mode says so. Sampling stays on the eager round."""
+    rounds as the eager engine in fp32, and the mode says so. Sampled rounds are compiled too, and with the same
+    seed they draw the eager round's tokens (the draws use the call's Generator either way)."""
     target = build_target("llama", seed=5)
     drafter = build_drafter(target, typ, True) if typ else None
     g = torch.Generator().manual_seed(0)
@@ -262,5 +263,7 @@ def test_compiled_round_equals_eager(typ):
     ref = eager.generate(prompts, max_new_tokens=20)
     assert fast.generate(prompts, max_new_tokens=20) == ref and fast.rounds == eager.rounds
     assert fast.last_mode == "eager +compile"
-    fast.generate(prompts, max_new_tokens=5, do_sample=True)
-    assert fast.last_mode == "eager"
+    sampled = eager.generate(prompts, max_new_tokens=20, do_sample=True, temperature=0.8, seed=3)
+    assert fast.generate(prompts, max_new_tokens=20, do_sample=True, temperature=0.8, seed=3) == sampled
+    assert fast.rounds == eager.rounds and fast.last_mode == "eager +compile"
+    assert sampled != ref  # the sampled run is not the greedy one in disguise

@@ -105,7 +105,9 @@ class SpeculativeEngine:
         SiLU*up), which is where a batch-1 step of a small target spends its time. With cuda_graphs the compiled
         round is what gets captured, and `last_mode` gains "+compile". Compiled kernels may round differently
         from eager ones, so greedy output can differ at near-ties; `trainer/gpu_engine_check.py --compile`
-        compares it with eager decoding. A shape compiles once (first call), like a capture."""
+        compares it with eager decoding. A shape compiles once (first call), like a capture. Sampled rounds are
+        compiled too (they are not captured as graphs): the draws go through the call's `torch.Generator` as in
+        the eager round, so on CPU a seed gives the eager round's tokens (tested); "eager (sampling) +compile"."""
         self.profile = profile
         self.compile = compile
         self._compiled_round = torch.compile(self._round, dynamic=False) if compile else None
@@ -313,8 +315,9 @@ class SpeculativeEngine:
         return [row[:n] for row, n in zip(st.out.tolist(), n_out)]
 
     def _round_fn(self, do_sample):
-        """The compiled round where it applies (greedy, no profiling: the clock's syncs would split the graph)."""
-        if self._compiled_round is not None and not do_sample and not self.profile:
+        """The compiled round where it applies (greedy or sampled; not when profiling: the clock's syncs would split
+        the graph). `do_sample` is a Python bool, so greedy and sampled rounds compile separately."""
+        if self._compiled_round is not None and not self.profile:
             return self._compiled_round
         return self._round
 
