@@ -6,7 +6,9 @@
 For plain AR (no drafter) and a random DFlash drafter with Carryover, at batch 1 and 4:
   * fp32: `SpeculativeEngine(cuda_graphs=True)` gives the eager engine's tokens and rounds, token for token, on
     two prompt sets of different lengths (the second call must reuse the first call's graph: `graphs` is 1);
-  * bf16: tokens/s of the eager and the graph engine (warm-up call excluded, CUDA-synchronised wall time).
+  * bf16: tokens/s of the eager and the graph engine (warm-up call excluded, CUDA-synchronised wall time);
+  * with --compile, in fp32 also one sampled call (T=1, same seed) of the compiled and the eager engine:
+    `compile_sampled_same_tokens` (informative: sampled rounds are compiled, not captured).
 Every row records `mode` (`engine.last_mode`: "cuda_graph", or why it ran eagerly). Rows are written to --out as
 soon as they are known; a failing row records its error instead of stopping the script. On CPU the graph
 engine runs eagerly ("eager (no CUDA)"), so only the plumbing is checked there.
@@ -126,6 +128,15 @@ def main():
                             row.update({f"{tag}exact": not mismatches, f"{tag}mismatches": mismatches,
                                         f"{tag}mode": engine.last_mode, f"{tag}graphs": len(engine._graphs)})
                         row["tau"] = eager.tau if kind == "dflash" else None
+                        if "graph_compile" in built:  # sampled rounds (T=1) compile too: same seed, same draws?
+                            # Informative, not part of all_exact: fused kernels may move a draw that sits on a
+                            # probability boundary, which is still a draw from the same distribution
+                            kw = dict(max_new_tokens=max_new, eos_token_id=eos, do_sample=True, temperature=1.0, seed=7)
+                            ref_s = eager.generate(sets[0], **kw)
+                            out_s = built["graph_compile"].generate(sets[0], **kw)
+                            row.update({"compile_sampled_same_tokens": out_s == ref_s,
+                                        "compile_sampled_first_diff_at": first_diff(ref_s, out_s),
+                                        "compile_sampled_mode": built["graph_compile"].last_mode})
                     else:  # speed: warm-up call (captures the graph), then timed calls over both prompt sets
                         first = {}
                         for name, engine in built.items():
