@@ -107,7 +107,7 @@ class SpeculativeEngine:
         from eager ones, so greedy output can differ at near-ties; `trainer/gpu_engine_check.py --compile`
         compares it with eager decoding. A shape compiles once (first call), like a capture. Sampled rounds are
         compiled too (they are not captured as graphs): the draws go through the call's `torch.Generator` as in
-        the eager round, so on CPU a seed gives the eager round's tokens (tested); "eager (sampling) +compile"."""
+        the eager round, so on CPU a seed gives the eager round's tokens (tested); `last_mode` gains "+compile"."""
         self.profile = profile
         self.compile = compile
         self._compiled_round = torch.compile(self._round, dynamic=False) if compile else None
