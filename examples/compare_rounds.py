@@ -10,6 +10,7 @@ Prints and stores, per drafter and dataset, how many prompts match that way and 
 """
 
 import argparse
+import gzip
 import json
 import sys
 from collections import defaultdict
@@ -19,10 +20,15 @@ from hf_carryover.evaluation.offline_tau import tau_from_rounds
 
 
 def load(path):
+    """{(drafter, dataset, temperature, prompt id): accepted list} from a raw jsonl file, gzipped or not (the last
+    record of a key wins)."""
+    path = Path(path)
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
     rows = {}
-    for line in Path(path).read_text().splitlines():
-        r = json.loads(line)
-        rows[(r["drafter"], r["dataset"], float(r["temperature"]), str(r["id"]))] = r["accepted"]
+    for line in text.splitlines():
+        if line.strip():
+            r = json.loads(line)
+            rows[(r["drafter"], r["dataset"], float(r["temperature"]), str(r["id"]))] = r["accepted"]
     return rows
 
 

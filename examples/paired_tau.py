@@ -11,30 +11,30 @@ prompts (Σ(accepted+1) / rounds, as evaluate_tau.py) is reported beside it. Inp
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import sys
 from collections import defaultdict
 from pathlib import Path
 
+from hf_carryover.evaluation.offline_tau import tau_from_rounds
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_rounds import load as load_raw  # noqa: E402
+
 
 def load(paths):
     """{drafter: {(dataset, temperature, id): accepted list}} from raw-*.jsonl files, gzipped or not (the last record
     wins)."""
     runs = defaultdict(dict)
-    for path in map(Path, paths):
-        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
-        for line in text.splitlines():
-            if line.strip():
-                r = json.loads(line)
-                runs[r["drafter"]][(r["dataset"], float(r["temperature"]), str(r["id"]))] = r["accepted"]
+    for path in paths:
+        for (drafter, *key), accepted in load_raw(path).items():
+            runs[drafter][tuple(key)] = accepted
     return runs
 
 
 def _tau(acc_lists):
-    acc = [a for lst in acc_lists for a in lst]
-    return (sum(acc) + len(acc)) / max(len(acc), 1)
+    return tau_from_rounds({"accepted": a} for a in acc_lists)
 
 
 def paired(a: dict, b: dict) -> dict:

@@ -64,6 +64,9 @@ mkdir -p "$R"
 flush() { tar czf "$A/.r.tgz" -C "$A" logs results 2>/dev/null && mv "$A/.r.tgz" "$OUT/results-$phase.tgz" || true; }
 trap flush EXIT
 
+serve_target() {  # the bf16 serving folder of the converted target, ~/assets/serve/target, made once per machine
+  [ -d "$A/serve/target" ] || python3 -c "from hf_carryover.reference import save_reference_for_serving as s; s('$A/serve/target')"
+}
 have_target() { [ -f "$A/cache/SmolLM2-135M-Instruct/hf_carryover_source.json" ] || [ -f "$A/smollm2.gguf" ]; }
 join_gguf() {  # the reference GGUF from stash's half and the carried .device/p2 half, md5-checked
   cat "$A/part00" .device/p2/part01 > "$A/smollm2.gguf"
@@ -156,7 +159,7 @@ prep)  # the target only: joins the GGUF (carry .device/p2, .whl) and converts i
   # that phases started together in one call (e.g. `stage2 & engine`) find it ready instead of racing to make it
   have_target || join_gguf
   python3 -c "from hf_carryover.reference import reference_target as r; r()" 2>&1 | tail -1
-  [ -d "$A/serve/target" ] || python3 -c "from hf_carryover.reference import save_reference_for_serving as s; s('$A/serve/target')"
+  serve_target
   [ -d assets/prompts ] && [ ! -d "$A/prompts" ] && cp -r assets/prompts "$A/prompts"
   log "target ready"
   ;;
@@ -340,7 +343,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
   # machine gets its own folders), flushed to $OUT after every job.
   stamp=$(date +%H%M%S)
   have_target || join_gguf
-  S=$A/serve; [ -d "$S/target" ] || python3 -c "from hf_carryover.reference import save_reference_for_serving as s; s('$S/target')"
+  serve_target; S=$A/serve
   [ -d "$A/prompts" ] || cp -r assets/prompts "$A/prompts"
   ejob() {  # ejob GPU INDEX "METHODS|DRAFTERS|DATASETS|FLAGS"
     if [ "$3" = check ]; then
