@@ -165,6 +165,47 @@ def test_gpu_engine_check_tiny_cpu(tmp_path):
     assert row["compile_sampled_mode"] == "eager (no CUDA) +compile"
 
 
+def test_gpu_engine_check_trained_drafter_real_prompts_cpu(tmp_path):
+    """--target/--drafter/--prompts_dir: a saved target, a drafter trained on its rollouts (so drafts are accepted,
+    unlike a random drafter's) and prompt files. Every engine equals the eager one, and at batch 1 the eager engine
+    equals plain greedy `target.generate`; a drafter without its target is refused by name."""
+    from test_offline_tau import overfit
+    from test_training import tiny_target
+
+    from hf_carryover import Drafter
+
+    target = tiny_target(seed=5, init=0.3)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 58, (3 + n,), generator=g).tolist() for n in range(4)]
+    rollouts = [(len(x), target.generate(torch.tensor([x]), max_new_tokens=12, do_sample=False, pad_token_id=0,
+                                         eos_token_id=63)[0].tolist(), 12) for x in prompts]
+    torch.manual_seed(2)
+    drafter = overfit(Drafter.from_target(target, drafter_type="dflash", carryover=True, block_size=4,
+                                          num_hidden_layers=2, mask_token_id=5), target, rollouts)
+    target.save_pretrained(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "drafter")
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "toy.jsonl").write_text("".join(json.dumps({"input_ids": x}) + "\n" for x in prompts))
+    out = tmp_path / "check.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "trainer" / "gpu_engine_check.py"), "--device", "cpu", "--target",
+           str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts_dir", str(tmp_path / "prompts"),
+           "--dataset", "toy", "--dtypes", "fp32", "--batch_sizes", "1", "2", "--max_new_tokens", "12", "--compile",
+           "--out", str(out)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    summary = json.loads(out.read_text())
+    rows = {(r["method"], r["batch"]): r for r in summary["rows"]}
+    assert set(rows) == {(m, b) for m in ("ar", "dflash") for b in (1, 2)}
+    assert summary["all_exact"], summary["rows"]
+    assert rows["ar", 1]["plain_greedy_exact"] and rows["dflash", 1]["plain_greedy_exact"]
+    assert "plain_greedy_exact" not in rows["dflash", 2]  # batch 1 only
+    assert rows["dflash", 1]["tau"] > 1.5  # the trained drafter's drafts are accepted: longer rounds are checked
+    assert summary["drafter"].endswith("drafter") and summary["prompts"].endswith("toy")
+    res = subprocess.run(cmd[:3] + cmd[5:], env=env, capture_output=True, text=True, cwd=tmp_path)  # no --target
+    assert res.returncode != 0 and "--drafter needs --target" in res.stderr
+
+
 def test_results_tables_gain_against_own_baseline(tmp_path):
     """The README's τ table: each Carryover row shows its gain over the baseline of the same drafter type."""
     sys.path.insert(0, str(ROOT / "examples"))

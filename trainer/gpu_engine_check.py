@@ -1,7 +1,10 @@
-"""GPU self-check of the engine's CUDA-graph path on a SmolLM2-shaped *random* target (no weights needed).
+"""GPU self-check of the engine's CUDA-graph path on a SmolLM2-shaped *random* target (no weights needed), or on a
+real target with a trained drafter, whose drafts are accepted (a random drafter's never are past position 1).
 
     python trainer/gpu_engine_check.py --out $OUT/gpu_engine_check.json
     python trainer/gpu_engine_check.py --device cpu --tiny --out /tmp/engine_check.json   # plumbing only
+    python trainer/gpu_engine_check.py --target reference --drafter model_cards/NAME --prompts_dir assets/prompts \
+        --dtypes fp32 --kinds dflash --batch_sizes 1 4 --compile --out /tmp/check_trained.json
 
 For plain AR (no drafter) and a random DFlash drafter with Carryover, at batch 1 and 4:
   * fp32: `SpeculativeEngine(cuda_graphs=True)` gives the eager engine's tokens and rounds, token for token, on
@@ -9,6 +12,8 @@ For plain AR (no drafter) and a random DFlash drafter with Carryover, at batch 1
   * bf16: tokens/s of the eager and the graph engine (warm-up call excluded, CUDA-synchronised wall time);
   * with --compile, in fp32 also one sampled call (T=1, same seed) of the compiled and the eager engine:
     `compile_sampled_same_tokens` (informative: sampled rounds are compiled, not captured).
+With --target/--drafter/--prompts_dir the two prompt sets are consecutive prompts of --dataset, and in fp32 at batch 1
+the eager engine's tokens are also compared with plain greedy `target.generate` (`plain_greedy_exact`).
 Every row records `mode` (`engine.last_mode`: "cuda_graph", or why it ran eagerly). Rows are written to --out as
 soon as they are known; a failing row records its error instead of stopping the script. On CPU the graph
 engine runs eagerly ("eager (no CUDA)"), so only the plumbing is checked there.
@@ -69,13 +74,35 @@ def main():
                    help="order of the passes (put bf16 first when its timings matter most in a time box)")
     p.add_argument("--kinds", nargs="+", default=["ar", "dflash"], choices=["ar", "dflash"],
                    help="plain AR and/or a random DFlash drafter with Carryover (each compiled shape costs ~1 min)")
+    p.add_argument("--target", default=None, help="'reference' (SmolLM2-135M-Instruct) or a model folder instead of "
+                   "the random SmolLM2-shaped target")
+    p.add_argument("--drafter", default=None, help="a trained drafter folder for kind 'dflash' (any drafter type) "
+                   "instead of the random one; needs --target")
+    p.add_argument("--prompts_dir", default=None, help="with --target: prompt files (prepare_prompts.py) to draw the "
+                   "two prompt sets from")
+    p.add_argument("--dataset", default="mtbench", help="the prompt file of --prompts_dir")
     args = p.parse_args()
+    if args.drafter and not args.target:
+        p.error("--drafter needs --target: a trained drafter is bound to the target it was trained for")
+    if bool(args.target) != bool(args.prompts_dir):
+        p.error("--target and --prompts_dir go together (random token prompts mean nothing to a real target)")
+    if args.tiny and args.target:
+        p.error("--tiny shrinks the random target; it does not apply to --target")
+    real = None
+    if args.prompts_dir:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+        from evaluate_tau import load_prompts, load_target
+        real = [r["input_ids"] for r in load_prompts(args.prompts_dir, args.dataset, None)]
+        if len(real) < 2 * max(args.batch_sizes):
+            p.error(f"{args.dataset}: {len(real)} prompts, the largest batch needs {2 * max(args.batch_sizes)}")
     max_new = args.max_new_tokens or (16 if args.tiny else 128)
     shape = TINY if args.tiny else {}
     res = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else args.device,
            "torch": torch.__version__, "transformers": transformers.__version__,
            "commit": os.environ.get("HF_CARRYOVER_COMMIT", "unknown"), "tiny": args.tiny,
-           "max_new_tokens": max_new, "rows": []}
+           "max_new_tokens": max_new, "target": args.target or "random SmolLM2-shaped",
+           "drafter": args.drafter or "random dflash (Carryover on)",
+           "prompts": f"{args.prompts_dir}/{args.dataset}" if real else "random tokens", "rows": []}
 
     def record(row):
         res["rows"].append(row)
@@ -84,11 +111,15 @@ def main():
 
     def engines(target, kind):
         drafter = None
-        if kind == "dflash":  # seeded, so the fp32 and bf16 drafters share weights up to rounding
+        if kind == "dflash" and args.drafter:
+            drafter = Drafter.from_pretrained(args.drafter, dtype=next(target.parameters()).dtype).to(args.device).eval()
+            drafter.bind_target(target)  # a drafter trained for another target fails here, by name
+        elif kind == "dflash":  # seeded, so the fp32 and bf16 drafters share weights up to rounding
             torch.manual_seed(1)
             drafter = Drafter.from_target(target, drafter_type="dflash", carryover=True, num_hidden_layers=3,
                                           mask_token_id=16).to(args.device).eval()
-        max_len = 80 + max_new + 2 * 16
+        longest = max(len(x) for x in real) if real else 80
+        max_len = longest + max_new + 2 * 16
         out = {"eager": SpeculativeEngine(target, drafter, max_len=max_len),
                "graph": SpeculativeEngine(target, drafter, max_len=max_len, cuda_graphs=True)}
         if args.compile:
@@ -98,7 +129,11 @@ def main():
     for dtype_name in args.dtypes:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
         try:
-            target = smollm2_shaped(dtype, args.device, **shape)
+            if args.target:
+                from evaluate_tau import load_target
+                target = load_target(args.target, dtype, args.device)
+            else:
+                target = smollm2_shaped(dtype, args.device, **shape)
         except Exception as e:  # noqa: BLE001  (record, keep going)
             record({"dtype": dtype_name, "error": repr(e)[:500]})
             continue
@@ -109,7 +144,7 @@ def main():
                 try:
                     built = engines(target, kind)
                     eager, graph = built["eager"], built["graph"]
-                    sets = prompt_sets(b, target.config.vocab_size, seed=b)
+                    sets = [real[:b], real[b:2 * b]] if real else prompt_sets(b, target.config.vocab_size, seed=b)
                     if dtype_name == "fp32":  # exactness: both prompt sets, tokens and rounds
                         refs = []  # eager decoding once per set, compared with every other engine
                         for prompts in sets:
@@ -128,6 +163,12 @@ def main():
                             row.update({f"{tag}exact": not mismatches, f"{tag}mismatches": mismatches,
                                         f"{tag}mode": engine.last_mode, f"{tag}graphs": len(engine._graphs)})
                         row["tau"] = eager.tau if kind == "dflash" else None
+                        if real and b == 1:  # the engine against plain greedy decoding of the target itself
+                            plain = [target.generate(torch.tensor([x], device=args.device), max_new_tokens=max_new,
+                                                     do_sample=False, eos_token_id=eos)[0, len(x):].tolist()
+                                     for prompts in sets for x in prompts]
+                            row["plain_greedy_exact"] = plain == refs[0][0] + refs[1][0]
+                            row["plain_greedy_first_diff_at"] = first_diff(plain, refs[0][0] + refs[1][0])
                         if "graph_compile" in built:  # sampled rounds (T=1) compile too: same seed, same draws?
                             # Informative, not part of all_exact: fused kernels may move a draw that sits on a
                             # probability boundary, which is still a draw from the same distribution
@@ -163,7 +204,7 @@ def main():
             torch.cuda.empty_cache()
     rows = res["rows"]
     res["all_exact"] = bool(rows) and all(r.get("exact", True) and r.get("compile_exact", True) and "error" not in r
-                                          for r in rows)
+                                          and r.get("plain_greedy_exact", True) for r in rows)
     res["graphs_used"] = bool(rows) and all(r.get("mode", r.get("graph_mode")) == "cuda_graph" for r in rows)
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(f"all_exact={res['all_exact']} graphs_used={res['graphs_used']}", flush=True)

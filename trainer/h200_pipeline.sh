@@ -338,7 +338,8 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
   # ~/assets/drafters, stashed by vllmstash carrying .vllm/drafters, else runs/NAME/final), datasets, flags that
   # override the defaults below (e.g. --compile, --limit 32 --batch_sizes 1 2 4 8 16, --temperature 1) and an optional
   # fifth field, the job's time box in seconds (default ENGINE_BOX). The job
-  # "check" runs the fp32 exactness check of compiled rounds with a random drafter (CHECK_SECONDS).
+  # "check" runs the fp32 exactness check of compiled rounds (CHECK_SECONDS, CHECK_KINDS, CHECK_BATCHES): a random
+  # drafter, or with CHECK_DRAFTER=NAME a trained one on the real target, also against plain greedy decoding.
   # Each job's rows land in $R/<HHMMSS of this call>_gpu<g>_<job>/bench_raw.jsonl (a later call on the same warm
   # machine gets its own folders), flushed to $OUT after every job.
   stamp=$(date +%H%M%S)
@@ -346,10 +347,12 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
   serve_target; S=$A/serve
   [ -d "$A/prompts" ] || cp -r assets/prompts "$A/prompts"
   ejob() {  # ejob GPU INDEX "METHODS|DRAFTERS|DATASETS|FLAGS"
-    if [ "$3" = check ]; then
+    if [ "$3" = check ]; then  # CHECK_DRAFTER=NAME: the real target, that trained drafter and MT-Bench prompts
+      T=""; if [ -n "${CHECK_DRAFTER:-}" ]; then f=$A/drafters/$CHECK_DRAFTER; [ -d $f ] || f=$A/runs/$CHECK_DRAFTER/final
+        T="--target reference --drafter $f --prompts_dir $A/prompts"; fi
       CUDA_VISIBLE_DEVICES=$1 timeout ${CHECK_SECONDS:-200} python3 trainer/gpu_engine_check.py --compile --dtypes fp32 \
-        --kinds ${CHECK_KINDS:-dflash} --batch_sizes 1 --out $R/${stamp}_engine_check_fp32.json > "$L/check_$stamp.log" 2>&1 \
-        || log "engine check stopped: $?"
+        --kinds ${CHECK_KINDS:-dflash} --batch_sizes ${CHECK_BATCHES:-1} $T --out $R/${stamp}_engine_check_fp32.json \
+        > "$L/check_$stamp.log" 2>&1 || log "engine check stopped: $?"
       flush; return
     fi
     IFS='|' read -r m d ds fl box <<< "$3"; D=""
