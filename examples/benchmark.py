@@ -151,8 +151,7 @@ def main():
     p.add_argument("--max_new_tokens", type=int, default=256)
     p.add_argument("--batch_sizes", nargs="+", type=int, default=[1])
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; >0: sampling at this temperature "
-                   "(engine rows are then not captured as CUDA graphs, which cover greedy rounds only; --compile "
-                   "still compiles them)")
+                   "(engine rows: sampled rounds are captured as CUDA graphs and compiled like greedy ones)")
     p.add_argument("--methods", nargs="*", help="subset of method names (default: all)")
     p.add_argument("--profile", action="store_true", help="engine: time draft/verify/other per round (adds syncs) "
                    "and check the latency model τ·T_ar/(T_draft+T_verify) against the measured speedup")

@@ -208,8 +208,8 @@ def _fake_capture(captured):
 @pytest.mark.parametrize("typ", ["dflash", None])
 def test_graph_path_plumbing_with_eager_stand_in(monkeypatch, typ):
     """The cuda_graphs control flow on CPU: warm-up rounds on the live state leave no trace (restore), one capture
-    per shape serves later prompts of other lengths, the replay loop gives the eager tokens and rounds, and
-    sampling stays eager."""
+    per shape serves later prompts of other lengths, the replay loop gives the eager tokens and rounds, greedy and
+    sampled (one more capture, and the same seed draws the eager tokens: the uniforms are drawn outside the round)."""
     monkeypatch.setattr(engine_mod, "_is_cuda", lambda dev: True)
     captured = []
     monkeypatch.setattr(engine_mod, "capture_round", _fake_capture(captured))
@@ -222,8 +222,12 @@ def test_graph_path_plumbing_with_eager_stand_in(monkeypatch, typ):
         assert engine.generate(prompts, max_new_tokens=25) == fresh.generate(prompts, max_new_tokens=25)
         assert engine.rounds == fresh.rounds and engine.last_mode == "cuda_graph"
     assert len(captured) == 1
-    engine.generate(_prompts(3, (4,)), max_new_tokens=25, do_sample=True)
-    assert engine.last_mode == "eager (sampling)" and len(captured) == 1
+    for seed, lengths in ((3, (4, 11)), (4, (7, 2))):
+        prompts, fresh = _prompts(seed, lengths), SpeculativeEngine(target, drafter, max_len=96)
+        kw = dict(max_new_tokens=25, do_sample=True, temperature=0.9, seed=seed)
+        assert engine.generate(prompts, **kw) == fresh.generate(prompts, **kw)
+        assert engine.rounds == fresh.rounds and engine.last_mode == "cuda_graph"
+    assert len(captured) == 2  # one greedy and one sampled graph for this shape
 
 
 def test_failed_capture_falls_back_to_eager_with_one_warning(monkeypatch):
@@ -247,6 +251,23 @@ def test_failed_capture_falls_back_to_eager_with_one_warning(monkeypatch):
         warnings.simplefilter("error")  # the failure is remembered per shape: no second attempt, no second warning
         assert engine.generate(prompts[::-1], max_new_tokens=20) == ref.generate(prompts[::-1], max_new_tokens=20)
     assert engine.last_mode.startswith("eager (capture failed")
+
+
+def test_inverse_cdf_draws():
+    """The engine's categorical draw from given uniforms: u=0 gives the first token with mass, u just below 1 the
+    last one, zero-mass tokens are never chosen (even at the edges, where u*total rounds up to total), rows are
+    independent, and many uniforms reproduce the probabilities."""
+    from hf_carryover.engine.engine import inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]])
+    below_one = torch.tensor(1.0).nextafter(torch.tensor(0.0))
+    assert inverse_cdf(probs, torch.tensor([0.0, 0.0])).tolist() == [1, 2]
+    assert inverse_cdf(probs, torch.stack([below_one, below_one])).tolist() == [4, 2]
+    assert inverse_cdf(probs * 7, torch.tensor([0.25, 0.5])).tolist() == [3, 2]  # unnormalised mass is fine
+    u = torch.rand(200_000, generator=torch.Generator().manual_seed(0))
+    draws = inverse_cdf(probs[:1].expand(len(u), -1), u)
+    freq = torch.bincount(draws, minlength=6).float() / len(u)
+    assert freq[[0, 2, 5]].sum() == 0 and torch.allclose(freq, probs[0], atol=0.005)
 
 
 @pytest.mark.parametrize("typ", ["dflash", None])

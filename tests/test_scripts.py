@@ -145,11 +145,13 @@ def test_gpu_engine_check_tiny_cpu(tmp_path):
     out = tmp_path / "engine_check.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(ROOT / "trainer" / "gpu_engine_check.py"), "--device", "cpu", "--tiny",
-           "--max_new_tokens", "8", "--reps", "1", "--out", str(out)]
+           "--max_new_tokens", "8", "--reps", "1", "--sampled", "--out", str(out)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads(out.read_text())
     rows = summary["rows"]
+    assert all(r["graph_sampled_same_tokens"] for r in rows if r["dtype"] == "fp32")
+    assert all(r["graph_sampled_tok_per_s"] > 0 for r in rows if r["dtype"] == "bf16")
     assert [(r["dtype"], r["method"], r["batch"]) for r in rows] == [
         (d, m, b) for d in ("fp32", "bf16") for m in ("ar", "dflash") for b in (1, 4)]
     assert not [r for r in rows if "error" in r], rows
@@ -157,7 +159,7 @@ def test_gpu_engine_check_tiny_cpu(tmp_path):
     assert {r.get("mode", r.get("graph_mode")) for r in rows} == {"eager (no CUDA)"}
     assert all(r["eager_tok_per_s"] > 0 and r["graph_tok_per_s"] > 0 for r in rows if r["dtype"] == "bf16")
     # --compile (the H200 run's form): compiled greedy rounds exact, and a compiled sampled call draws the eager tokens
-    cmd_c = cmd[:-2] + ["--compile", "--dtypes", "fp32", "--kinds", "dflash", "--batch_sizes", "1", "--out", str(out)]
+    cmd_c = cmd[:-3] + ["--compile", "--dtypes", "fp32", "--kinds", "dflash", "--batch_sizes", "1", "--out", str(out)]
     res = subprocess.run(cmd_c, env=env, capture_output=True, text=True, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     (row,) = json.loads(out.read_text())["rows"]

@@ -10,8 +10,10 @@ For plain AR (no drafter) and a random DFlash drafter with Carryover, at batch 1
   * fp32: `SpeculativeEngine(cuda_graphs=True)` gives the eager engine's tokens and rounds, token for token, on
     two prompt sets of different lengths (the second call must reuse the first call's graph: `graphs` is 1);
   * bf16: tokens/s of the eager and the graph engine (warm-up call excluded, CUDA-synchronised wall time);
-  * with --compile, in fp32 also one sampled call (T=1, same seed) of the compiled and the eager engine:
-    `compile_sampled_same_tokens` (informative: sampled rounds are compiled, not captured).
+  * fp32, sampled (T=1, same seed): the graph engine's tokens and rounds equal the eager engine's
+    (`graph_sampled_same_tokens`: the graph replays the eager kernels on the same uniforms); with --compile also
+    the compiled engine's (`compile_sampled_same_tokens`, informative: fused kernels may move a boundary draw);
+  * with --sampled, bf16 tokens/s of sampled calls too (`<engine>_sampled_tok_per_s`).
 With --target/--drafter/--prompts_dir the two prompt sets are consecutive prompts of --dataset, and in fp32 at batch 1
 the eager engine's tokens are also compared with plain greedy `target.generate` (`plain_greedy_exact`).
 Every row records `mode` (`engine.last_mode`: "cuda_graph", or why it ran eagerly). Rows are written to --out as
@@ -74,6 +76,7 @@ def main():
                    help="order of the passes (put bf16 first when its timings matter most in a time box)")
     p.add_argument("--kinds", nargs="+", default=["ar", "dflash"], choices=["ar", "dflash"],
                    help="plain AR and/or a random DFlash drafter with Carryover (each compiled shape costs ~1 min)")
+    p.add_argument("--sampled", action="store_true", help="bf16 rows: also time sampled calls (T=1) per engine")
     p.add_argument("--target", default=None, help="'reference' (SmolLM2-135M-Instruct) or a model folder instead of "
                    "the random SmolLM2-shaped target")
     p.add_argument("--drafter", default=None, help="a trained drafter folder for kind 'dflash' (any drafter type) "
@@ -169,11 +172,17 @@ def main():
                                      for prompts in sets for x in prompts]
                             row["plain_greedy_exact"] = plain == refs[0][0] + refs[1][0]
                             row["plain_greedy_first_diff_at"] = first_diff(plain, refs[0][0] + refs[1][0])
-                        if "graph_compile" in built:  # sampled rounds (T=1) compile too: same seed, same draws?
+                        # sampled rounds (T=1): the graph replays the eager round's kernels on the same uniforms, so
+                        # the same seed must give the same tokens (part of all_exact)
+                        kw = dict(max_new_tokens=max_new, eos_token_id=eos, do_sample=True, temperature=1.0, seed=7)
+                        ref_s = eager.generate(sets[0], **kw)
+                        out_g = graph.generate(sets[0], **kw)
+                        row.update({"graph_sampled_same_tokens": out_g == ref_s and graph.rounds == eager.rounds,
+                                    "graph_sampled_first_diff_at": first_diff(ref_s, out_g),
+                                    "graph_sampled_mode": graph.last_mode})
+                        if "graph_compile" in built:  # compiled sampled rounds: same seed, same draws?
                             # Informative, not part of all_exact: fused kernels may move a draw that sits on a
                             # probability boundary, which is still a draw from the same distribution
-                            kw = dict(max_new_tokens=max_new, eos_token_id=eos, do_sample=True, temperature=1.0, seed=7)
-                            ref_s = eager.generate(sets[0], **kw)
                             out_s = built["graph_compile"].generate(sets[0], **kw)
                             row.update({"compile_sampled_same_tokens": out_s == ref_s,
                                         "compile_sampled_first_diff_at": first_diff(ref_s, out_s),
@@ -191,6 +200,17 @@ def main():
                             sync(args.device)
                             row[f"{name}_tok_per_s"] = n_tok / (time.perf_counter() - t0)
                             row[f"{name}_mode"] = engine.last_mode
+                            if args.sampled:  # T=1: warm-up (captures the sampled graph), then the timed calls
+                                kw = dict(max_new_tokens=max_new, eos_token_id=eos, do_sample=True, temperature=1.0)
+                                engine.generate(sets[0], **kw)
+                                n_tok = 0
+                                sync(args.device)
+                                t0 = time.perf_counter()
+                                for r in range(args.reps):
+                                    n_tok += sum(len(o) for o in engine.generate(sets[r % 2], seed=r, **kw))
+                                sync(args.device)
+                                row[f"{name}_sampled_tok_per_s"] = n_tok / (time.perf_counter() - t0)
+                                row[f"{name}_sampled_mode"] = engine.last_mode
                         row["speedup"] = row["graph_tok_per_s"] / row["eager_tok_per_s"]
                         row["same_tokens"] = first["eager"] == first["graph"]  # informative: bf16 near-ties
                         if "graph_compile" in first:
@@ -204,7 +224,8 @@ def main():
             torch.cuda.empty_cache()
     rows = res["rows"]
     res["all_exact"] = bool(rows) and all(r.get("exact", True) and r.get("compile_exact", True) and "error" not in r
-                                          and r.get("plain_greedy_exact", True) for r in rows)
+                                          and r.get("plain_greedy_exact", True)
+                                          and r.get("graph_sampled_same_tokens", True) for r in rows)
     res["graphs_used"] = bool(rows) and all(r.get("mode", r.get("graph_mode")) == "cuda_graph" for r in rows)
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(f"all_exact={res['all_exact']} graphs_used={res['graphs_used']}", flush=True)

@@ -11,8 +11,9 @@ Every round, for all b rows at once:
      drafted EOS excepted: generate() never verifies those).
 No tensor changes shape between rounds; rollback is moving a row's position. Without a drafter the same loop
 is plain autoregressive decoding (k = 0). A round reads and writes only the static tensors of a `DecodeState`
-(and the caches) in place, so the same code runs eagerly and, with `cuda_graphs=True` and greedy decoding on
-CUDA, as one replayed CUDA graph per round (`graphs.py`).
+(and the caches) in place, so the same code runs eagerly and, with `cuda_graphs=True` on CUDA, as one replayed
+CUDA graph per round (`graphs.py`), greedy or sampled: a sampled round takes its uniforms from the state, drawn
+from the call's generator before each round, and turns them into tokens by inverse CDF (`inverse_cdf`).
 Sampling supports temperature only (no top-k/top-p/penalties yet); greedy needs no processors.
 """
 
@@ -62,6 +63,11 @@ class DecodeState:
         self.carry = zeros(b, k, n_feat, dtype=feat_dtype) if n_feat else None  # last verification's rows 1..k
         self.carry_valid = zeros(b, k, dtype=torch.bool)
         self.carry_pos = zeros(b, k)
+        # sampled rounds: the round's uniforms (k draft draws, k acceptance tests, 1 correction/bonus draw) and
+        # the temperature live here, filled from the call's Generator *outside* the round, so the round itself has
+        # no Generator argument: torch.compile does not split it and a CUDA graph can replay it
+        self.noise = zeros(b, 2 * k + 1, dtype=torch.float32)
+        self.temperature = torch.ones((), dtype=torch.float32, device=device)
 
     def reset(self, anchor, plen, eos):
         self.anchor.copy_(anchor)
@@ -77,6 +83,10 @@ class DecodeState:
             self.carry.zero_()
             self.carry_valid.zero_()
             self.carry_pos.copy_(self.anchor_pos[:, None] + torch.arange(1, self.k + 1, device=plen.device))
+
+    def draw(self, gen: torch.Generator) -> None:
+        """This round's uniforms from the call's generator (eager, before the round or its graph replay)."""
+        self.noise.uniform_(0.0, 1.0, generator=gen)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor a round writes (state and both caches): what capture must snapshot and restore."""
@@ -94,11 +104,11 @@ class SpeculativeEngine:
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
-        cuda_graphs=True replays each greedy round as one captured CUDA graph (`graphs.py` lists what was checked
-        for capture safety). It applies to greedy decoding on CUDA without profiling; otherwise the call runs
-        eagerly. `self.last_mode` says how the last `generate()` ran: "eager", "cuda_graph", "eager (no CUDA)",
-        "eager (sampling)", "eager (profile)", "eager (nothing to decode)" or "eager (capture failed: <error>)"
-        (warned once per shape: a failed shape is not captured again).
+        cuda_graphs=True replays each round as one captured CUDA graph (`graphs.py` lists what was checked for
+        capture safety), greedy and sampled rounds each captured once per shape. It applies on CUDA without
+        profiling; otherwise the call runs eagerly. `self.last_mode` says how the last `generate()` ran: "eager",
+        "cuda_graph", "eager (no CUDA)", "eager (profile)", "eager (nothing to decode)" or "eager (capture failed:
+        <error>)" (warned once per shape: a failed shape is not captured again).
 
         compile=True runs each round through `torch.compile` (inductor, static shapes; the prefill stays eager):
         its fused kernels replace the dozens of small ones an HF decoder layer launches (unfused RMSNorm, RoPE,
@@ -106,8 +116,9 @@ class SpeculativeEngine:
         round is what gets captured, and `last_mode` gains "+compile". Compiled kernels may round differently
         from eager ones, so greedy output can differ at near-ties; `trainer/gpu_engine_check.py --compile`
         compares it with eager decoding. A shape compiles once (first call), like a capture. Sampled rounds are
-        compiled too (they are not captured as graphs): the draws go through the call's `torch.Generator` as in
-        the eager round, so on CPU a seed gives the eager round's tokens (tested); `last_mode` gains "+compile"."""
+        compiled and captured too: their uniforms come from the call's `torch.Generator` outside the round, the
+        same stream in every mode, so a seed gives the eager round's tokens (tested on CPU with compile; a graph
+        replays the eager round's kernels, which `trainer/gpu_engine_check.py` compares on the GPU)."""
         self.profile = profile
         self.compile = compile
         self._compiled_round = torch.compile(self._round, dynamic=False) if compile else None
@@ -165,7 +176,7 @@ class SpeculativeEngine:
         return out.logits.float(), feats
 
     # ------------------------------------------------------------------ drafter
-    def _draft(self, dcache, anchor_tok, anchor_pos, carry, carry_pos, carry_valid, gen, temperature, do_sample):
+    def _draft(self, dcache, anchor_tok, anchor_pos, carry, carry_pos, carry_valid, noise, temperature, do_sample):
         d, cfg = self.drafter, self.drafter.config
         B, b = cfg.block_size, anchor_tok.shape[0]
         block = d.embed_block(anchor_tok[:, None])  # [b, B, d]
@@ -178,19 +189,22 @@ class SpeculativeEngine:
         if cfg.drafter_type != "markov" and not do_sample:
             return logits.argmax(-1), None  # greedy DFlash: rows are independent, no distribution needed
 
-        def pick(row):
+        cols = iter(range(noise.shape[1]) if do_sample else ())
+
+        def pick(row):  # proposal j uses uniform column j
             if not do_sample:
                 return row, row.argmax(-1)
             probs = (row / temperature).softmax(-1)
-            return probs, torch.multinomial(probs, 1, generator=gen)[:, 0]
+            return probs, inverse_cdf(probs, noise[:, next(cols)])
 
         tokens, dists = d.propose(logits, anchor_tok, pick)  # [b, k], [b, k, V]
         return tokens, (dists if do_sample else None)
 
     # ------------------------------------------------------------------ acceptance
     @staticmethod
-    def _accept(drafts, q, logits, do_sample, temperature, gen):
-        """Accepted count a `[b]` and the token emitted after them `[b]` (correction or bonus)."""
+    def _accept(drafts, q, logits, do_sample, temperature, noise):
+        """Accepted count a `[b]` and the token emitted after them `[b]` (correction or bonus). Sampling reads
+        `noise` `[b, 2k+1]`: columns k..2k-1 for the acceptance tests, 2k for the correction/bonus draw."""
         b, k = drafts.shape
         if not do_sample:
             choice = logits.argmax(-1)  # [b, k+1]
@@ -200,7 +214,7 @@ class SpeculativeEngine:
         q = p[:, :0] if q is None else q  # plain AR: no drafts, [b, 0, V], so the bonus slot samples p itself
         pd = p[:, :k].gather(2, drafts[..., None])[..., 0]
         qd = q.gather(2, drafts[..., None])[..., 0]
-        u = torch.rand(b, k, generator=gen, device=drafts.device)
+        u = noise[:, k : 2 * k]
         ok = u * qd <= pd  # accept with probability min(1, p/q)
         a = torch.cumprod(ok.long(), 1).sum(1)
         rows = torch.arange(b, device=drafts.device)
@@ -208,20 +222,22 @@ class SpeculativeEngine:
         q_a = torch.cat([q, torch.zeros_like(p[:, :1])], 1)[rows, a]  # bonus slot: residual is p itself
         resid = (p_a - q_a).clamp(min=0)
         resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_a)
-        nxt = torch.multinomial(resid / resid.sum(-1, keepdim=True), 1, generator=gen)[:, 0]
+        nxt = inverse_cdf(resid, noise[:, 2 * k])
         return a, nxt
 
     # ------------------------------------------------------------------ one round
-    def _round(self, st: DecodeState, do_sample=False, temperature=1.0, gen=None, clock=None):
+    def _round(self, st: DecodeState, do_sample=False, clock=None):
         """One round for all rows: reads `st`, writes it (and the caches) in place. No host sync, no Python
-        branch on tensor values, no shape that depends on the prompt: eager and captured rounds are the same code."""
+        branch on tensor values, no shape that depends on the prompt: eager and captured rounds are the same code.
+        Sampled rounds read their uniforms and temperature from `st` (`st.draw` fills them before each round)."""
         clock = clock or _Clock(False, None, None)
         k, steps = st.k, self._steps
         clock.start()
         if self.drafter is not None:
             on = self.drafter.config.carryover
             drafts, q = self._draft(st.dcache, st.anchor, st.anchor_pos, st.carry if on else None, st.carry_pos,
-                                    st.carry_valid if on else st.carry_valid[:, :0], gen, temperature, do_sample)
+                                    st.carry_valid if on else st.carry_valid[:, :0], st.noise, st.temperature,
+                                    do_sample)
         else:
             drafts, q = st.anchor[:, None][:, :0], None  # [b, 0]: plain autoregressive decoding
         clock.lap("draft")
@@ -229,7 +245,7 @@ class SpeculativeEngine:
         bpos = st.anchor_pos[:, None] + steps[: k + 1]
         logits, feats = self._target_forward(st.cache, block, bpos)
         clock.lap("verify")
-        a, nxt = self._accept(drafts, q, logits, do_sample, temperature, gen)
+        a, nxt = self._accept(drafts, q, logits, do_sample, st.temperature, st.noise)
         done, n_out = st.done, st.n_out  # this round's inputs; the new values are copied in at the end
         a_log = a  # accepted drafts as generate() counts them
         if self.drafter is not None:
@@ -291,12 +307,13 @@ class SpeculativeEngine:
         logits, feats = self._target_forward(st.cache, toks, pos)
         last = logits[torch.arange(b, device=dev), plen - 1]
         if do_sample:
-            anchor = torch.multinomial((last / temperature).softmax(-1), 1, generator=gen)[:, 0]
+            anchor = inverse_cdf((last / temperature).softmax(-1), torch.rand(b, generator=gen, device=dev))
         else:
             anchor = last.argmax(-1)
         if self.drafter is not None:
             st.dcache.write(self.drafter, self.drafter.fuse(feats), pos)
         st.reset(anchor, plen, eos)
+        st.temperature.fill_(temperature)
 
         graph, self.last_mode = self._graph(st, dev, do_sample)
         step = self._round_fn(do_sample)
@@ -304,11 +321,15 @@ class SpeculativeEngine:
             self.last_mode += " +compile"
         if graph is not None:
             while not bool(st.done.all()):  # the one host sync per round
+                if do_sample:
+                    st.draw(gen)  # outside the graph: the generator advances exactly as in the eager loop
                 graph.replay()
         else:
             clock = _Clock(self.profile, dev, self.timing)
             while not bool(st.done.all()):  # the one host sync per round (outputs stay on the device)
-                step(st, do_sample, temperature, gen, clock)
+                if do_sample:
+                    st.draw(gen)
+                step(st, do_sample, clock)
         log = st.accepted[:, : int(st.round)].tolist()
         self.rounds = [[x for x in row if x >= 0] for row in log]
         n_out = st.n_out.tolist()
@@ -328,17 +349,15 @@ class SpeculativeEngine:
             return None, "eager"
         if not _is_cuda(dev):
             return None, "eager (no CUDA)"
-        if do_sample:  # per-call Generator state under graphs: see graphs.py
-            return None, "eager (sampling)"
         if self.profile:  # phase timing needs syncs inside the round
             return None, "eager (profile)"
-        key = (st.b, st.k, st.cap, st.eos.numel())
+        key = (st.b, st.k, st.cap, st.eos.numel(), do_sample)
         if key not in self._graphs:
             if bool(st.done.all()):  # nothing to decode: do not capture on a finished state
                 return None, "eager (nothing to decode)"
             try:
                 step = self._round_fn(do_sample)
-                self._graphs[key] = capture_round(lambda: step(st), st.tensors())
+                self._graphs[key] = capture_round(lambda: step(st, do_sample), st.tensors())
             except Exception as e:  # noqa: BLE001  (any capture error: decode eagerly instead)
                 self._graphs[key] = f"{type(e).__name__}: {e}"
                 warnings.warn(f"CUDA-graph capture failed for batch {st.b}; decoding eagerly: {self._graphs[key]}",
@@ -378,10 +397,21 @@ class _Clock:
             self.t = now
 
 
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One draw per row from unnormalised `probs` `[b, V]` with uniforms `u` `[b]` in [0, 1): the first index whose
+    cumulative mass exceeds u·total. It is a categorical draw like `torch.multinomial`, but from given uniforms,
+    so a compiled or captured round needs no Generator. The threshold stays below the total (the float product
+    can round up to it), so a zero-probability token is never chosen: its cumulative sum equals the previous one."""
+    cdf = probs.float().cumsum(-1)  # [b, V]
+    total = cdf[:, -1:]
+    x = torch.minimum(u[:, None].float() * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x, right=True)[:, 0]
+
+
 def predicted_speedup(tau: float, t_draft: float, t_verify: float, t_ar_step: float) -> float:
     """Latency model: tokens per second of speculative decoding over plain decoding,
     (τ / (T_draft + T_verify)) / (1 / T_ar_step); with T_ar_step ≈ T_verify it is τ·T_verify/(T_draft+T_verify)."""
     return tau * t_ar_step / (t_draft + t_verify)
 
 
-__all__ = ["SpeculativeEngine", "predicted_speedup"]
+__all__ = ["SpeculativeEngine", "inverse_cdf", "predicted_speedup"]

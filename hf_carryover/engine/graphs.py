@@ -1,14 +1,15 @@
-"""CUDA-graph capture of one engine round (greedy decoding only).
+"""CUDA-graph capture of one engine round, greedy or sampled.
 
 `SpeculativeEngine._round` reads and writes only static tensors (`DecodeState` plus both caches) in place, so a
 `torch.cuda.CUDAGraph` recorded once replays a whole round (draft + verify + accept + state update) for every
-later round and every later prompt with the same (b, k, output capacity, number of EOS ids). The prefill stays
-eager: its shape depends on the prompt width, and it only writes into the same static tensors.
+later round and every later prompt with the same (b, k, output capacity, number of EOS ids, greedy/sampled).
+The prefill stays eager: its shape depends on the prompt width, and it only writes into the same static tensors.
 
-Why greedy only: sampling draws from a per-call `torch.Generator`. Capturing its random ops needs the
-generator registered with the graph (`CUDAGraph.register_generator_state`), after which every replay advances
-its Philox offset on the device; whether that stream then equals eager decoding's for the same `seed` is not
-something this code checks, so `do_sample=True` stays eager (the engine reports it in `last_mode`).
+Sampling without a generator inside the graph: a sampled round reads its 2k+1 uniforms per row from
+`DecodeState.noise`, which the decode loop fills from the call's `torch.Generator` before every replay (one
+eager kernel), and turns them into tokens by inverse CDF. The graph holds no random op, so nothing needs
+registering with it (`CUDAGraph.register_generator_state`), and the generator advances exactly as in the eager
+loop: a seed gives the same tokens eagerly and replayed (`trainer/gpu_engine_check.py` compares them).
 
 What was checked about the round's calls, by reading the installed transformers 5.24 sources (and, for ATen
 ops, public copies of PyTorch's C++ source: the installed torch 2.13 wheel ships binaries only):
