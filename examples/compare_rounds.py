@@ -3,10 +3,10 @@
     python examples/compare_rounds.py GEN_DIR/raw.jsonl ENGINE_DIR/raw-engine.jsonl --out cmp.json
 
 Both files are `examples/evaluate_tau.py` raw records (one line per drafter, dataset, temperature and prompt, each
-with its `accepted` list). At T=0 in fp32 the two paths must accept the same number of drafts in every round but
-possibly each prompt's last (near max_new_tokens the engine still verifies a full block, while generate() drafts
-fewer tokens or skips the last round), so τ measured through the engine stands for τ measured through generate().
-Prints and stores, per drafter and dataset, how many prompts match that way and both τ values.
+with its `accepted` list). At T=0 in fp32 the two paths must accept the same number of drafts in every round (near
+max_new_tokens the engine counts and carries only the drafts generate() would still make, and a verification
+without drafts is no round in either), so τ measured through the engine is τ measured through generate().
+Prints and stores, per drafter and dataset, how many prompts match round for round and both τ values.
 """
 
 import argparse
@@ -47,8 +47,7 @@ def main():
         g = groups[f"{key[0]}|{key[1]}|T={key[2]}"]
         ra, rb = a[key], b[key]
         g["prompts"] += 1
-        m = min(len(ra), len(rb))  # near max_new_tokens generate() drafts fewer tokens, or none (no last round)
-        same = abs(len(ra) - len(rb)) <= 1 and ra[: m - 1] == rb[: m - 1]
+        same = ra == rb
         g["same_rounds"] += same
         if not same:
             g["differing_ids"].append(key[3])
@@ -56,12 +55,12 @@ def main():
         g["b"].append(rb)
     summary = {"command": " ".join(["python"] + sys.argv), "a": args.a, "b": args.b, "groups": {}}
     for name, g in groups.items():
-        summary["groups"][name] = {"prompts": g["prompts"], "same_rounds_but_last": g["same_rounds"],
+        summary["groups"][name] = {"prompts": g["prompts"], "same_rounds": g["same_rounds"],
                                    "tau_a": tau_from_rounds({"accepted": r} for r in g["a"]),
                                    "tau_b": tau_from_rounds({"accepted": r} for r in g["b"]),
                                    "differing_ids": g["differing_ids"]}
         s = summary["groups"][name]
-        print(f"{name:40s} {s['same_rounds_but_last']}/{s['prompts']} prompts round-for-round equal; "
+        print(f"{name:40s} {s['same_rounds']}/{s['prompts']} prompts round-for-round equal; "
               f"τ {s['tau_a']:.4f} vs {s['tau_b']:.4f}")
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))

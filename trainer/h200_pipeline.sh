@@ -37,6 +37,9 @@
 # ENGINE_FLAGS=--compile VLLM_GPU1_EXTRA=1; engine (the compiled rows vllm's box cut); ~28 device-minutes.
 # Third run of 2026-11-30 (examples/results/h200-2026-11-30c/): stash; stashinit; vllmstash (.vllm/drafters); prep +
 # stage2 (Carryover variant, GPU 0) beside engine (GPU 1); tau; engine (HF rows, T=1); two stage2 variants; tau.
+# Fourth run of 2026-11-30 (examples/results/h200-2026-11-30d/): stash; stashinit; TYPES=dflash S1_MINUTES=6
+# S1_INIT=dflash-stage1 train1 (the third stage-1 run); stage2 (S2_MINUTES=3.4) + tau in one call; two engine calls
+# (CHECK_DRAFTER check, T=1 compiled rows, HF rows); gpu_engine_check.py --sampled typed inline; ~28 device-minutes.
 # With drafter weights committed in model_cards/, run `bash trainer/device_tree.sh light` before the calls.
 # Checkpoints: stage2 packs all four drafters in bf16 and queues them as tar parts (DFlash pair first); each call
 # ships the oldest 4 parts.
@@ -239,7 +242,7 @@ eval)
   log "eval done"
   ;;
 tau)  # τ of the four drafters at T=0 and T=1 through the batched engine (fp32), one drafter pair per GPU.
-  # The engine's greedy rounds equal generate()'s (tested, all but possibly each prompt's last) and the offline
+  # The engine's greedy rounds equal generate()'s (tested, round for round since the 2026-11-30d budget rule) and the offline
   # replay's (checked on the H200: 1.373 both, DFlash baseline, MT-Bench); ~4 minutes for 4 x 344 prompts x 2 T.
   tau_run() {  # tau_run GPU NAME DRAFTER...
     local g=$1 n=$2; shift 2

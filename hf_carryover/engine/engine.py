@@ -249,11 +249,19 @@ class SpeculativeEngine:
         done, n_out = st.done, st.n_out  # this round's inputs; the new values are copied in at the end
         a_log = a  # accepted drafts as generate() counts them
         if self.drafter is not None:
-            # generate() crops a draft after its first EOS and never verifies the rest: it neither counts
-            # acceptance past it nor carries those rows. The same rule keeps the logged rounds and a Carryover
-            # drafter's next round equal to generate()'s (the emitted tokens stop at the EOS either way)
-            n_drafted = drafts_through_eos(drafts, st.eos)  # [b]
+            # generate() crops a draft after its first EOS, and to the tokens that can still be emitted after the
+            # anchor (max_new - n_out - 1), and never verifies the rest: it neither counts acceptance past them nor
+            # carries those rows. The same rule keeps the logged rounds and a Carryover drafter's next round equal
+            # to generate()'s (the emitted tokens stop at the EOS and the budget either way). With no budget left
+            # generate() verifies without drafting, which is not a draft round: logged as -1 (no round). And a
+            # draft that ends in EOS and is accepted whole counts one draft less there (transformers lets the
+            # target emit that EOS itself); the emitted tokens are the same
+            budget = (st.max_new - n_out - 1).clamp(min=0)  # [b]
+            n_drafted = torch.minimum(drafts_through_eos(drafts, st.eos), budget)  # [b]
+            last = drafts.gather(1, (n_drafted - 1).clamp(min=0)[:, None])[:, 0]  # [b]: the last draft verified
             a_log = torch.minimum(a, n_drafted)
+            a_log = a_log - (_is_eos(last, st.eos) & (n_drafted > 0) & (a_log == n_drafted)).long()
+            a_log = torch.where(budget > 0, a_log, torch.full_like(a, -1))
             st.dcache.write(self.drafter, self.drafter.fuse(feats), bpos)
             st.carry.copy_(feats[:, 1:])
             j = steps[1 : k + 1][None]
@@ -401,7 +409,9 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One draw per row from unnormalised `probs` `[b, V]` with uniforms `u` `[b]` in [0, 1): the first index whose
     cumulative mass exceeds u·total. It is a categorical draw like `torch.multinomial`, but from given uniforms,
     so a compiled or captured round needs no Generator. The threshold stays below the total (the float product
-    can round up to it), so a zero-probability token is never chosen: its cumulative sum equals the previous one."""
+    can round up to it), so a zero-probability token is never chosen: its cumulative sum equals the previous one.
+    Precision: a token's chance is its interval in the float32 running sum, so it is off by at most one rounding
+    of that sum (about 6e-8 of the total), whatever the vocabulary size."""
     cdf = probs.float().cumsum(-1)  # [b, V]
     total = cdf[:, -1:]
     x = torch.minimum(u[:, None].float() * total, torch.nextafter(total, torch.zeros_like(total)))
