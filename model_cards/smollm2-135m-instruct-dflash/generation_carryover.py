@@ -56,9 +56,9 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         self.logits_processor = logits_processor if logits_processor is not None and len(logits_processor) else None
         self.eos_ids = eos_tensor(generation_config.eos_token_id)
         self.record_carryover = record_carryover
-        # transformers' knob for how many tokens an assistant drafts. Its default (20) is above any block here, so
-        # a drafter proposes its whole block unless the caller asks for fewer: a shorter verification, which pays
-        # where a target forward costs more per token verified (a CPU) and drafts deep in the block are rarely kept
+        # transformers' knob for how many tokens an assistant drafts (unset by default). A drafter proposes its whole
+        # block unless the caller asks for fewer: a shorter verification, which pays where a target forward costs
+        # more per token verified (a CPU) and drafts deep in the block are rarely kept
         n = getattr(generation_config, "num_assistant_tokens", None)
         if n is not None and int(n) < 1:
             raise ValueError(f"num_assistant_tokens={n}: a drafter must propose at least one token per round.")
