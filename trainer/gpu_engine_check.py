@@ -62,6 +62,18 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def tok_per_s(engine, sets, reps, device, **kw):
+    """Tokens/s of `reps` timed `generate()` calls over the two prompt sets in turn (call r with seed r, which only
+    sampling reads), CUDA-synchronised wall time."""
+    n_tok = 0
+    sync(device)
+    t0 = time.perf_counter()
+    for r in range(reps):
+        n_tok += sum(len(o) for o in engine.generate(sets[r % 2], seed=r, **kw))
+    sync(device)
+    return n_tok / (time.perf_counter() - t0)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
@@ -133,8 +145,7 @@ def main():
     for dtype_name in args.dtypes:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
         try:
-            if args.target:
-                from evaluate_tau import load_target
+            if args.target:  # load_target: imported with load_prompts (--target comes with --prompts_dir)
                 target = load_target(args.target, dtype, args.device)
             else:
                 target = smollm2_shaped(dtype, args.device, **shape)
@@ -192,25 +203,13 @@ def main():
                         first = {}
                         for name, engine in built.items():
                             first[name] = engine.generate(sets[0], max_new_tokens=max_new, eos_token_id=eos)
-                            n_tok = 0
-                            sync(args.device)
-                            t0 = time.perf_counter()
-                            for r in range(args.reps):
-                                out = engine.generate(sets[r % 2], max_new_tokens=max_new, eos_token_id=eos)
-                                n_tok += sum(len(o) for o in out)
-                            sync(args.device)
-                            row[f"{name}_tok_per_s"] = n_tok / (time.perf_counter() - t0)
+                            kw = dict(max_new_tokens=max_new, eos_token_id=eos)
+                            row[f"{name}_tok_per_s"] = tok_per_s(engine, sets, args.reps, args.device, **kw)
                             row[f"{name}_mode"] = engine.last_mode
                             if args.sampled:  # T=1: warm-up (captures the sampled graph), then the timed calls
-                                kw = dict(max_new_tokens=max_new, eos_token_id=eos, do_sample=True, temperature=1.0)
+                                kw.update(do_sample=True, temperature=1.0)
                                 engine.generate(sets[0], **kw)
-                                n_tok = 0
-                                sync(args.device)
-                                t0 = time.perf_counter()
-                                for r in range(args.reps):
-                                    n_tok += sum(len(o) for o in engine.generate(sets[r % 2], seed=r, **kw))
-                                sync(args.device)
-                                row[f"{name}_sampled_tok_per_s"] = n_tok / (time.perf_counter() - t0)
+                                row[f"{name}_sampled_tok_per_s"] = tok_per_s(engine, sets, args.reps, args.device, **kw)
                                 row[f"{name}_sampled_mode"] = engine.last_mode
                         row["speedup"] = row["graph_tok_per_s"] / row["eager_tok_per_s"]
                         row["same_tokens"] = first["eager"] == first["graph"]  # informative: bf16 near-ties

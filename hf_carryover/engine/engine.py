@@ -25,7 +25,7 @@ import warnings
 
 import torch
 
-from ..generation_carryover import drafts_through_eos, eos_tensor
+from ..generation_carryover import accepted_as_generate_counts, eos_tensor
 from .graphs import capture_round
 from .static_cache import DrafterStaticCache, TargetStaticCache
 
@@ -249,18 +249,11 @@ class SpeculativeEngine:
         done, n_out = st.done, st.n_out  # this round's inputs; the new values are copied in at the end
         a_log = a  # accepted drafts as generate() counts them
         if self.drafter is not None:
-            # generate() crops a draft after its first EOS, and to the tokens that can still be emitted after the
-            # anchor (max_new - n_out - 1), and never verifies the rest: it neither counts acceptance past them nor
-            # carries those rows. The same rule keeps the logged rounds and a Carryover drafter's next round equal
-            # to generate()'s (the emitted tokens stop at the EOS and the budget either way). With no budget left
-            # generate() verifies without drafting, which is not a draft round: logged as -1 (no round). And a
-            # draft that ends in EOS and is accepted whole counts one draft less there (transformers lets the
-            # target emit that EOS itself); the emitted tokens are the same
-            budget = (st.max_new - n_out - 1).clamp(min=0)  # [b]
-            n_drafted = torch.minimum(drafts_through_eos(drafts, st.eos), budget)  # [b]
-            last = drafts.gather(1, (n_drafted - 1).clamp(min=0)[:, None])[:, 0]  # [b]: the last draft verified
-            a_log = torch.minimum(a, n_drafted)
-            a_log = a_log - (_is_eos(last, st.eos) & (n_drafted > 0) & (a_log == n_drafted)).long()
+            # the drafts generate() verifies (through the first EOS, within the length budget) and its count of
+            # accepted ones: so the logged rounds, and a Carryover drafter's next round, equal generate()'s. With no
+            # budget left generate() verifies without drafting, which is not a draft round: logged as -1 (no round)
+            budget = st.max_new - n_out - 1  # [b]: tokens that can still be emitted after the anchor
+            a_log, n_drafted = accepted_as_generate_counts(a, drafts, st.eos, budget)
             a_log = torch.where(budget > 0, a_log, torch.full_like(a, -1))
             st.dcache.write(self.drafter, self.drafter.fuse(feats), bpos)
             st.carry.copy_(feats[:, 1:])

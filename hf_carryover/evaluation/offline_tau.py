@@ -9,15 +9,17 @@ accepted length = leading proposals equal to the recorded tokens. That reproduce
 few batched forwards per round instead of one generate() call per prompt — EDR's observation (DESIGN.md §7)
 that T=0 speculative decoding is a deterministic walk over one rollout.
 
-Rules mirrored from the online path: proposals are cut to the remaining length budget and after the first
-EOS; the carryover of the next round is verify rows a+1..n of the proposals actually verified; a round with
-no proposal left (budget exhausted) is not a draft round.
+Rules mirrored from the online path (`accepted_as_generate_counts`, shared with the engine): proposals are cut to
+the remaining length budget and after the first EOS, and an accepted drafted EOS counts one less; the carryover of
+the next round is verify rows a+1..n of the proposals actually verified; a round with no proposal left (budget
+exhausted) is not a draft round.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..generation_carryover import accepted_as_generate_counts
 from ..training.objectives import draft_blocks, greedy_proposals, target_pass, verify_all
 
 
@@ -65,17 +67,9 @@ def _replay(target, drafter, rollouts, max_new_tokens, eos_token_ids):
                               carry=carry, carry_pos=carry_pos, carry_valid=carry_valid,
                               k=0 if carry is None else k)
         props = greedy_proposals(drafter, hidden, ids.gather(1, anchors))  # [b, 1, k]
-        n_prop = torch.minimum(budget, torch.full_like(budget, k))
-        if eos.numel():
-            is_eos = torch.isin(props[:, 0], eos) & (j[None] <= n_prop[:, None])
-            first = torch.where(is_eos.any(-1), is_eos.float().argmax(-1) + 1, torch.full_like(n_prop, k))
-            n_prop = torch.minimum(n_prop, first)
         accepted, vfeats = verify_all(target, drafter, ids, ctx_valid, slen, anchors, active[:, None], props)
-        accepted = torch.minimum(accepted[:, 0], n_prop)
-        if eos.numel():  # generate() crops at an accepted EOS and counts it as the round's last token
-            last = ids.gather(1, (slen - 1)[:, None])[:, 0]
-            hit_eos = (t + accepted == slen - 1) & torch.isin(last, eos) & (accepted > 0)
-            accepted = accepted - hit_eos.long()
+        # proposals verified (cut at the first EOS and to the budget) and accepted ones, as generate() counts them
+        accepted, n_prop = accepted_as_generate_counts(accepted[:, 0], props[:, 0], eos, budget)
         log.append(torch.stack([torch.where(active, accepted, -1), n_prop]))  # stays on the device
         if cfg.carryover:
             carry = vfeats[:, 0]  # [b, k, F]: rows 1..k of this verification

@@ -181,6 +181,23 @@ def drafts_through_eos(tokens: torch.Tensor, eos_ids: torch.Tensor) -> torch.Ten
                                                                               dtype=torch.long))
 
 
+def accepted_as_generate_counts(accepted: torch.Tensor, drafts: torch.Tensor, eos_ids: torch.Tensor,
+                                budget: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A round's leading matches `accepted [b]` of drafts `[b, k]`, counted as `generate()` counts them, and how many
+    drafts it verifies: `(accepted [b], n_drafted [b])`.
+
+    generate() verifies the drafts through the first EOS and no more than `budget [b]` (tokens that can still be
+    emitted after the anchor; <= 0: no drafts, hence no draft round), so matches past those do not count. And a
+    draft that ends in EOS and is accepted whole counts one less: transformers lets the target emit that EOS itself
+    (the emitted tokens are the same). The engine's rounds and the offline replay follow this one rule; no host
+    sync, so it also runs inside a captured CUDA graph."""
+    n_drafted = torch.minimum(drafts_through_eos(drafts, eos_ids), budget.clamp(min=0))
+    accepted = torch.minimum(accepted, n_drafted)
+    last = drafts.gather(1, (n_drafted - 1).clamp(min=0)[:, None])[:, 0]  # the last draft verified
+    ends_in_eos = (last[:, None] == eos_ids.to(last.device)).any(-1) & (n_drafted > 0)
+    return accepted - (ends_in_eos & (accepted == n_drafted)).long(), n_drafted
+
+
 # ---------------------------------------------------------------------- hooking into generate()
 def _dispatch(original):
     def _get_candidate_generator(self, *args, **kwargs):
@@ -224,4 +241,5 @@ def enable(target):
     return target
 
 
-__all__ = ["CarryoverCandidateGenerator", "install_generate_hook", "enable", "eos_tensor", "drafts_through_eos"]
+__all__ = ["CarryoverCandidateGenerator", "install_generate_hook", "enable", "eos_tensor", "drafts_through_eos",
+           "accepted_as_generate_counts"]
