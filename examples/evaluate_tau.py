@@ -235,8 +235,14 @@ def main():
                 done.add((r["drafter"], r["dataset"], r["temperature"], r["id"]))
         jobs = []
         for temp in args.temperatures:
-            for dataset in args.datasets:
-                for row in load_prompts(args.prompts_dir, dataset, args.limit):
+            # datasets interleaved prompt by prompt, so that a run cut by a time limit has covered the first
+            # prompts of every dataset alike instead of all of one dataset and none of the next
+            per_set = {d: load_prompts(args.prompts_dir, d, args.limit) for d in args.datasets}
+            for i in range(max(map(len, per_set.values()), default=0)):
+                for dataset, rows in per_set.items():
+                    if i >= len(rows):
+                        continue
+                    row = rows[i]
                     for spec in args.drafters:
                         name = spec.split("=", 1)[0]
                         if (name, dataset, temp, row["id"]) not in done:

@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
 # Multi-GPU check of the trainer: the same stage-1 (then stage-2) run on 1 GPU and on 2 GPUs at equal global
-# batch, on a SmolLM2-shaped *random* target (the mechanism, not drafter quality, is under test) and the
-# response shards in $1 (token ids; any will do). Writes both loss curves to $OUT/ddp_check.json.
+# batch (DDP_BATCH in all: one GPU takes it whole, two take half each), from the same seed, on the response shards
+# in $1. Writes both loss curves and held-out metrics to $OUT/ddp_check.json.
 #   bash trainer/ddp_check.sh runs/data/data     (on nvidia-h200-x2)
+# DDP_TARGET=random (default): a SmolLM2-shaped random target, a mechanism check only (its loss stays near the
+# unigram entropy, so agreement is weak evidence). DDP_TARGET=reference: the real SmolLM2-135M-Instruct (needs the
+# converted target, i.e. the pipeline's environment: `h200_pipeline.sh ddp`), where the loss falls fast in the
+# first hundreds of steps and the two curves must follow each other down. DDP_STEPS, DDP_STAGE2_STEPS: run lengths.
 set -euo pipefail
 DATA=$1
 OUT=${OUT:-/tmp/out}
+TARGET=${DDP_TARGET:-random}
+STEPS=${DDP_STEPS:-60}
+BATCH=${DDP_BATCH:-8}
 W=/tmp/ddp
-mkdir -p $W $OUT
+rm -rf $W && mkdir -p $W $OUT
 trap 'cp $W/*.log $OUT/ 2>/dev/null || true' EXIT
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-python3 - <<'PY'
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if [ "$TARGET" = random ]; then TARGET=$W/target; python3 - <<'PY'
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -19,23 +26,37 @@ cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num
 torch.manual_seed(0)
 LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained("/tmp/ddp/target")
 PY
-common="--config trainer/configs/smollm2_stage1.json --target $W/target --data_dir $DATA/train --eval_data_dir $DATA/eval
-  --max_eval_records 32 --mask_token_id 16 --logging_steps 5 --save_steps 1000 --dataloader_num_workers 0"
-accelerate launch --num_processes 1 trainer/train.py $common --per_device_train_batch_size 8 --max_steps 60 \
-  --output_dir $W/g1 > $W/g1.log 2>&1
-accelerate launch --num_processes 2 --multi_gpu trainer/train.py $common --per_device_train_batch_size 4 --max_steps 60 \
-  --output_dir $W/g2 > $W/g2.log 2>&1
-accelerate launch --num_processes 2 --multi_gpu trainer/train.py $common --stage 2 --carryover true --num_anchors 64 \
-  --init_from $W/g2/final --per_device_train_batch_size 4 --max_steps 20 --output_dir $W/g2s2 > $W/g2s2.log 2>&1
+fi
+common="--config trainer/configs/smollm2_stage1.json --target $TARGET --data_dir $DATA/train --eval_data_dir $DATA/eval
+  --max_eval_records ${DDP_EVAL_RECORDS:-32} --mask_token_id 16 --logging_steps ${DDP_LOG_EVERY:-5} --save_steps 100000
+  --dataloader_num_workers 0"
+accelerate launch --num_processes 1 --main_process_port 29521 trainer/train.py $common \
+  --per_device_train_batch_size $BATCH --max_steps $STEPS --output_dir $W/g1 > $W/g1.log 2>&1
+accelerate launch --num_processes 2 --multi_gpu --main_process_port 29522 trainer/train.py $common \
+  --per_device_train_batch_size $((BATCH / 2)) --max_steps $STEPS --output_dir $W/g2 > $W/g2.log 2>&1
+accelerate launch --num_processes 2 --multi_gpu --main_process_port 29523 trainer/train.py $common --stage 2 \
+  --carryover true --num_anchors 64 --init_from $W/g2/final --per_device_train_batch_size $((BATCH / 2)) \
+  --max_steps ${DDP_STAGE2_STEPS:-20} --output_dir $W/g2s2 > $W/g2s2.log 2>&1
+DDP_TARGET_LABEL=${DDP_TARGET:-random} DDP_CMD="DDP_TARGET=${DDP_TARGET:-random} DDP_STEPS=$STEPS DDP_BATCH=$BATCH bash trainer/ddp_check.sh $DATA" \
 python3 - <<'PY'
-import json, os
-out = {}
+import json, os, subprocess
+out = {"target": os.environ["DDP_TARGET_LABEL"], "command": os.environ["DDP_CMD"],
+       "commit": os.environ.get("HF_CARRYOVER_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"],
+                 capture_output=True, text=True).stdout.strip() or "unknown"}
 for run in ["g1", "g2", "g2s2"]:
     log = json.load(open(f"/tmp/ddp/{run}/final/train_log.json"))
     out[run] = [{k: e[k] for k in ("step", "loss", "train_accept_run") if k in e} for e in log if "loss" in e]
     out[run + "_eval"] = json.load(open(f"/tmp/ddp/{run}/final/eval_metrics.json"))
 json.dump(out, open(os.environ.get("OUT", "/tmp/out") + "/ddp_check.json", "w"), indent=1)
-for e1, e2 in zip(out["g1"], out["g2"]):
+pairs = [(e1, e2) for e1, e2 in zip(out["g1"], out["g2"]) if e1["step"] == e2["step"]]
+for e1, e2 in pairs:
     print(e1["step"], round(e1["loss"], 3), round(e2["loss"], 3))
+if pairs:  # one summary of agreement: the curves' gap against how far the loss moved over the run
+    gaps = [abs(a["loss"] - b["loss"]) for a, b in pairs]
+    out["agreement"] = {"logged_steps": len(pairs), "mean_abs_loss_gap": sum(gaps) / len(gaps),
+                        "loss_first_logged": [pairs[0][0]["loss"], pairs[0][1]["loss"]],
+                        "loss_last_logged": [pairs[-1][0]["loss"], pairs[-1][1]["loss"]]}
+    print(out["agreement"])
+json.dump(out, open(os.environ.get("OUT", "/tmp/out") + "/ddp_check.json", "w"), indent=1)
 print("stage2 on 2 GPUs:", [round(e["loss"], 3) for e in out["g2s2"]])
 PY

@@ -14,6 +14,8 @@
 #   eval    GPU 0: a time-boxed τ cross-check through generate() itself (T=0 and T=1, GEN_LIMIT prompts);
 #           GPU 1: engine check, examples/benchmark.py, profile and 4B projection (τ proper: the `tau` phase)
 #   tau     τ of the four drafters, T=0 and T=1, batched engine in fp32 (one pair per GPU; ~4 min)
+#   gentau  τ through generate() itself on all prompts, worker processes per GPU, time-boxed (GEN_G0, GEN_G1)
+#   ddp     the 1-GPU against 2-GPU training check (trainer/ddp_check.sh) on the real target
 #   fetch   returns the checkpoint parts still queued (4 x 15 MB a call)
 #   vllmstash  stashes what the call carries for the vLLM phase; carry any of these, within 64 MiB a call:
 #           .vllm/bundle (56 MB, one call on its own; installed into ~/assets/vllm_site), .vllm/drafters/NAME (our
@@ -100,6 +102,12 @@ ship() {  # moves the oldest queued parts to $OUT: 4 x 15 MB a call (the limit i
   mkdir -p $A/shipped
   for f in $(ls $A/outbox 2>/dev/null | sort | head -${1:-4}); do cp $A/outbox/$f "$OUT/" && mv $A/outbox/$f $A/shipped/; done
   log "shipped: $(ls $OUT | grep part | tr '\n' ' '); still queued: $(ls $A/outbox | wc -l)"
+}
+
+resolve_drafter() {  # LABEL=RUN[,opts] -> LABEL=FOLDER[,opts]: RUN from runs/RUN/final, else init/RUN or drafters/RUN
+  local label=${1%%=*} rest=${1#*=}; local run=${rest%%,*} opts=""; [[ $rest == *,* ]] && opts=,${rest#*,}
+  for f in $A/runs/$run/final $A/init/$run $A/drafters/$run; do [ -d $f ] && { echo "$label=$f$opts"; return; }; done
+  log "no drafter folder for $run" >&2
 }
 
 case $phase in
@@ -254,11 +262,6 @@ tau)  # τ of the four drafters at T=0 and T=1 through the batched engine (fp32)
   # groups "NAME:drafter...": one type -> one drafter per GPU; two types -> one pair per GPU. TAU_G0 / TAU_G1 instead
   # name the entries of GPU 0 / GPU 1 themselves: LABEL=RUN[,config=value], RUN from runs/RUN/final or else the
   # stashed init/RUN or drafters/RUN, e.g. "carry-off=dflash-carryover,carryover=false" (rows withheld)
-  resolve() {  # LABEL=RUN[,opts] -> LABEL=FOLDER[,opts]
-    local label=${1%%=*} rest=${1#*=}; local run=${rest%%,*} opts=""; [[ $rest == *,* ]] && opts=,${rest#*,}
-    for f in $A/runs/$run/final $A/init/$run $A/drafters/$run; do [ -d $f ] && { echo "$label=$f$opts"; return; }; done
-    log "tau: no drafter folder for $run"
-  }
   groups=()
   if [ -n "${TAU_G0:-}${TAU_G1:-}" ]; then
     for g in 0 1; do v=TAU_G$g; [ -n "${!v:-}" ] && groups+=("gpu$g:${!v}"); done
@@ -266,7 +269,7 @@ tau)  # τ of the four drafters at T=0 and T=1 through the batched engine (fp32)
     if [ ${#TYPES[@]} = 1 ]; then groups+=("$t-baseline:$t-baseline=$t-baseline" "$t-carryover:$t-carryover=$t-carryover")
     else groups+=("$t:$t-baseline=$t-baseline $t-carryover=$t-carryover"); fi
   done; fi
-  for i in "${!groups[@]}"; do D=""; for e in ${groups[$i]#*:}; do D="$D $(resolve $e)"; done
+  for i in "${!groups[@]}"; do D=""; for e in ${groups[$i]#*:}; do D="$D $(resolve_drafter $e)"; done
     g=$i; [[ ${groups[$i]} == gpu[01]:* ]] && g=${groups[$i]:3:1}
     tau_run $g ${groups[$i]%%:*} $D &
   done
@@ -274,6 +277,33 @@ tau)  # τ of the four drafters at T=0 and T=1 through the batched engine (fp32)
   for g in "${groups[@]}"; do D=""; for e in ${g#*:}; do D="$D ${e%%=*}=x"; done
     python3 examples/evaluate_tau.py --out $R/tau_engine_${g%%:*} --summarize_only --drafters $D | tail -8 || true
   done
+  ;;
+gentau)  # τ through target.generate(assistant_model=...) itself, fp32, GEN_WORKERS processes per GPU (a 135M target
+  # decodes launch-bound), GPU g measuring the drafters GEN_G<g> (LABEL=RUN entries as in `tau`), temperatures
+  # GEN_TEMPS, within GEN_SECONDS; datasets interleaved, so a cut run covers each dataset's first prompts alike
+  have_target || join_gguf
+  python3 -c "from hf_carryover.reference import reference_target as r; r()" 2>&1 | tail -1
+  gen_run() {  # gen_run GPU DRAFTER...
+    local g=$1; shift
+    CUDA_VISIBLE_DEVICES=$g timeout ${GEN_SECONDS:-300} python3 examples/evaluate_tau.py --prompts_dir $A/prompts \
+      --dtype float32 --workers ${GEN_WORKERS:-12} --drafters "$@" --datasets mtbench humaneval sharegpt \
+      --temperatures ${GEN_TEMPS:-0} --out $R/tau_gen_gpu$g > $R/tau_gen_gpu$g.log 2>&1 || log "generate tau on GPU $g stopped: $?"
+    python3 examples/evaluate_tau.py --out $R/tau_gen_gpu$g --summarize_only --drafters "$@" | tail -8 || true
+  }
+  for g in 0 1; do v=GEN_G$g; [ -n "${!v:-}" ] || continue
+    D=""; for e in ${!v}; do D="$D $(resolve_drafter $e)"; done
+    gen_run $g $D &
+  done
+  wait
+  ;;
+ddp)  # trainer/ddp_check.sh on the real target: stage 1 from scratch on 1 GPU (batch DDP_BATCH) and on 2 GPUs (half
+  # each), same seed and steps, then 20 stage-2 steps on 2 GPUs; curves and held-out metrics in $R/ddp_check.json
+  have_target || join_gguf
+  python3 -c "from hf_carryover.reference import reference_target as r; r()" 2>&1 | tail -1
+  OUT=$R DDP_TARGET=reference DDP_STEPS=${DDP_STEPS:-300} DDP_BATCH=${DDP_BATCH:-16} DDP_LOG_EVERY=10 \
+    DDP_EVAL_RECORDS=64 timeout ${DDP_SECONDS:-330} bash trainer/ddp_check.sh $A/data > "$L/ddp_check.log" 2>&1 \
+    || log "ddp check stopped: $?"
+  tail -5 "$L/ddp_check.log"
   ;;
 fetch)  # the parts still queued, 4 a call
   ship
