@@ -15,7 +15,7 @@ STEPS=${DDP_STEPS:-60}
 BATCH=${DDP_BATCH:-8}
 W=/tmp/ddp
 rm -rf $W && mkdir -p $W $OUT
-trap 'cp $W/*.log $OUT/ 2>/dev/null || true' EXIT
+trap 'cp $W/*.log $OUT/ 2>/dev/null || true' EXIT TERM
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if [ "$TARGET" = random ]; then TARGET=$W/target; python3 - <<'PY'
 import torch
@@ -30,13 +30,13 @@ fi
 common="--config trainer/configs/smollm2_stage1.json --target $TARGET --data_dir $DATA/train --eval_data_dir $DATA/eval
   --max_eval_records ${DDP_EVAL_RECORDS:-32} --mask_token_id 16 --logging_steps ${DDP_LOG_EVERY:-5} --save_steps 100000
   --dataloader_num_workers 0"
-accelerate launch --num_processes 1 --main_process_port 29521 trainer/train.py $common \
+# one GPU means one visible GPU: with two visible, a single process runs torch's DataParallel over both and doubles
+# the batch (n_gpu=2), which is what the 2026-11-29 check compared, unknowingly (its "1-GPU" run logged twice the epochs)
+CUDA_VISIBLE_DEVICES=0 accelerate launch --num_processes 1 --main_process_port 29521 trainer/train.py $common \
   --per_device_train_batch_size $BATCH --max_steps $STEPS --output_dir $W/g1 > $W/g1.log 2>&1
 accelerate launch --num_processes 2 --multi_gpu --main_process_port 29522 trainer/train.py $common \
   --per_device_train_batch_size $((BATCH / 2)) --max_steps $STEPS --output_dir $W/g2 > $W/g2.log 2>&1
-accelerate launch --num_processes 2 --multi_gpu --main_process_port 29523 trainer/train.py $common --stage 2 \
-  --carryover true --num_anchors 64 --init_from $W/g2/final --per_device_train_batch_size $((BATCH / 2)) \
-  --max_steps ${DDP_STAGE2_STEPS:-20} --output_dir $W/g2s2 > $W/g2s2.log 2>&1
+summarize() {  # ddp_check.json from the runs finished so far (written after stage 1 and again after stage 2)
 DDP_TARGET_LABEL=${DDP_TARGET:-random} DDP_CMD="DDP_TARGET=${DDP_TARGET:-random} DDP_STEPS=$STEPS DDP_BATCH=$BATCH bash trainer/ddp_check.sh $DATA" \
 python3 - <<'PY'
 import json, os, subprocess
@@ -44,6 +44,8 @@ out = {"target": os.environ["DDP_TARGET_LABEL"], "command": os.environ["DDP_CMD"
        "commit": os.environ.get("HF_CARRYOVER_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"],
                  capture_output=True, text=True).stdout.strip() or "unknown"}
 for run in ["g1", "g2", "g2s2"]:
+    if not os.path.exists(f"/tmp/ddp/{run}/final/train_log.json"):
+        continue
     log = json.load(open(f"/tmp/ddp/{run}/final/train_log.json"))
     out[run] = [{k: e[k] for k in ("step", "loss", "train_accept_run") if k in e} for e in log if "loss" in e]
     out[run + "_eval"] = json.load(open(f"/tmp/ddp/{run}/final/eval_metrics.json"))
@@ -58,5 +60,14 @@ if pairs:  # one summary of agreement: the curves' gap against how far the loss 
                         "loss_last_logged": [pairs[-1][0]["loss"], pairs[-1][1]["loss"]]}
     print(out["agreement"])
 json.dump(out, open(os.environ.get("OUT", "/tmp/out") + "/ddp_check.json", "w"), indent=1)
-print("stage2 on 2 GPUs:", [round(e["loss"], 3) for e in out["g2s2"]])
+if "g2s2" in out:
+    print("stage2 on 2 GPUs:", [round(e["loss"], 3) for e in out["g2s2"]])
 PY
+}
+summarize
+if [ "${DDP_STAGE2_STEPS:-20}" -gt 0 ]; then
+  accelerate launch --num_processes 2 --multi_gpu --main_process_port 29523 trainer/train.py $common --stage 2 \
+    --carryover true --num_anchors 64 --init_from $W/g2/final --per_device_train_batch_size $((BATCH / 2)) \
+    --max_steps ${DDP_STAGE2_STEPS:-20} --output_dir $W/g2s2 > $W/g2s2.log 2>&1
+  summarize
+fi
