@@ -50,7 +50,7 @@ for run in ["g1", "g2", "g2s2"]:
     out[run] = [{k: e[k] for k in ("step", "loss", "train_accept_run") if k in e} for e in log if "loss" in e]
     out[run + "_eval"] = json.load(open(f"/tmp/ddp/{run}/final/eval_metrics.json"))
 json.dump(out, open(os.environ.get("OUT", "/tmp/out") + "/ddp_check.json", "w"), indent=1)
-pairs = [(e1, e2) for e1, e2 in zip(out["g1"], out["g2"]) if e1["step"] == e2["step"]]
+pairs = [(e1, e2) for e1, e2 in zip(out.get("g1", []), out.get("g2", [])) if e1["step"] == e2["step"]]
 for e1, e2 in pairs:
     print(e1["step"], round(e1["loss"], 3), round(e2["loss"], 3))
 if pairs:  # one summary of agreement: the curves' gap against how far the loss moved over the run
