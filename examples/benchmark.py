@@ -14,8 +14,8 @@ Methods (each skipped with a recorded reason when it cannot run here):
   engine:<name>       hf_carryover.engine with the drafter, at every --batch_sizes value (throughput)
 Engine rows record `mode`: how the engine ran ("eager", "cuda_graph", or why graphs were not used).
 vLLM rows (vllm_ar@b, vllm_dflash:<name>@b) come from examples/bench_vllm.py run with the same --out.
-Timing: warm-up excluded, CUDA-synchronised wall time. Every finished measurement is appended to
-`<out>/bench_raw.jsonl`; `<out>/bench.json` and `<out>/bench.md` summarise with environment.
+Timing: warm-up excluded, CUDA-synchronised wall time; `--passes N` times every method N times in alternating
+order and reports the median pass. Every finished measurement is appended to `<out>/bench_raw.jsonl`; `<out>/bench.json` and `<out>/bench.md` summarise with environment.
 """
 
 from __future__ import annotations
@@ -165,8 +165,12 @@ def main():
                    help="HF rows' untimed warm-up: the longest prompt, or a whole untimed pass over the prompts (on "
                         "the H200 the first hf_spec row of a run read slower than the second at equal τ; a full pass "
                         "tells a warm-up effect from a real difference)")
+    p.add_argument("--passes", type=int, default=1, help="timed passes per method over the same prompts, in "
+                   "alternating order (forward, reverse, ...); rows report the median pass and list all of them")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.passes < 1:
+        p.error(f"--passes must be at least 1, not {args.passes}")
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -212,20 +216,48 @@ def main():
     if args.methods:
         methods = [m for m in methods if m[0].split("@")[0].split(":")[0] in args.methods or m[0] in args.methods]
 
+    def record(res):
+        raw.write(json.dumps(res) + "\n")
+        raw.flush()
+        print(f"{res['dataset']:10s} {res['method']:28s} {res['tok_per_s']:8.1f} tok/s  τ {res['tau'] or '-'}"
+              f"{'  ' + res['mode'] if 'mode' in res else ''}{'  pass %d' % res['pass'] if 'pass' in res else ''}",
+              flush=True)
+
+    def warm(name, fn, prompts):
+        # warm-up, excluded, on the longest prompt: generate()'s static cache keeps the largest size it has seen,
+        # so hf_static_compile then compiles once instead of once per longer prompt inside the timed loop (the
+        # engine rows warm up per batch shape inside run_engine)
+        if not name.startswith("engine"):
+            fn(prompts if args.warmup == "all" else [max(prompts, key=len)])
+
     for dataset in args.datasets:
         prompts = prompt_sets[dataset]
+        if args.passes == 1:  # each method warms up and is timed in turn: rows land as they finish
+            for name, fn in methods:
+                warm(name, fn, prompts)
+                res = {"method": name, "dataset": dataset, "prompts": len(prompts), "temperature": T, **fn(prompts)}
+                rows.append(res)
+                record(res)
+            continue
+        # several passes: all methods warm up first, then each pass times every method, in reverse order on odd
+        # passes, so that a drift or an order effect (seen on the H200: one drafter's row 1.5x slower in one call
+        # than in the next, at equal τ) shows as a spread between passes instead of passing for a difference
+        # between methods. Every pass is recorded ("pass": i); the row is the median pass, with all of them listed.
         for name, fn in methods:
-            # warm-up, excluded, on the longest prompt: generate()'s static cache keeps the largest size it has seen,
-            # so hf_static_compile then compiles once instead of once per longer prompt inside the timed loop (the
-            # engine rows warm up per batch shape inside run_engine)
-            if not name.startswith("engine"):
-                fn(prompts if args.warmup == "all" else [max(prompts, key=len)])
-            res = {"method": name, "dataset": dataset, "prompts": len(prompts), "temperature": T, **fn(prompts)}
+            warm(name, fn, prompts)
+        passes = {name: [] for name, _ in methods}
+        for i in range(args.passes):
+            for name, fn in (methods if i % 2 == 0 else methods[::-1]):
+                res = {"method": name, "dataset": dataset, "prompts": len(prompts), "temperature": T, **fn(prompts),
+                       "pass": i}
+                passes[name].append(res)
+                record(res)
+        for name, _ in methods:
+            runs = sorted(passes[name], key=lambda r: r["tok_per_s"])
+            res = {k: v for k, v in runs[(len(runs) - 1) // 2].items() if k != "pass"}  # the median (lower middle)
+            res["tok_per_s_passes"] = [r["tok_per_s"] for r in passes[name]]
             rows.append(res)
-            raw.write(json.dumps(res) + "\n")
-            raw.flush()
-            print(f"{dataset:10s} {name:28s} {res['tok_per_s']:8.1f} tok/s  τ {res['tau'] or '-'}"
-                  f"{'  ' + res['mode'] if 'mode' in res else ''}", flush=True)
+            record(res)
 
     from hf_carryover.engine.engine import predicted_speedup
 
@@ -245,7 +277,7 @@ def main():
         not_covered["cuda_graphs"] = "engine rows ran eagerly; --cuda_graphs replays greedy rounds as CUDA graphs"
     summary = {"command": " ".join(["python"] + sys.argv), "environment": environment(),
                "max_new_tokens": args.max_new_tokens, "temperature": T, "warmup": args.warmup,
-               "cuda_graphs": args.cuda_graphs, "compile": args.compile, "results": rows, "not_covered": not_covered}
+               "cuda_graphs": args.cuda_graphs, "compile": args.compile, "passes": args.passes, "results": rows, "not_covered": not_covered}
     (out_dir / "bench.json").write_text(json.dumps(summary, indent=2))
     lines = ["| dataset | method | tok/s | τ | × hf_eager | × engine_ar@1 | mode |", "|---|---|---|---|---|---|---|"]
 

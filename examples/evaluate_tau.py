@@ -223,6 +223,10 @@ def main():
     p.add_argument("--engine_batch", type=int, default=64, help="rows per batch in --engine and --offline modes")
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    command, env = " ".join([sys.executable.split("/")[-1]] + sys.argv), environment()
+    run_file = Path(args.out, "run.json")  # who measured, written before measuring: a run cut by a time limit
+    if not args.summarize_only:            # is summarised later (--summarize_only) under its own command
+        run_file.write_text(json.dumps({"command": command, "environment": env}, indent=2))
     if args.offline:
         offline(args)
     elif args.engine:
@@ -255,10 +259,10 @@ def main():
 
             mp.spawn(worker, args=(args, jobs), nprocs=args.workers, join=True)
     table, mean_tau = summarize(args.out)
-    command, env = " ".join([sys.executable.split("/")[-1]] + sys.argv), environment()
     old = Path(args.out, "summary.json")
-    if args.summarize_only and old.exists():  # keep who measured (and where): re-summarizing measures nothing
-        prev = json.loads(old.read_text())
+    if args.summarize_only:  # keep who measured (and where): re-summarizing measures nothing
+        prev = json.loads(run_file.read_text()) if run_file.exists() else (
+            json.loads(old.read_text()) if old.exists() else {})
         command, env = prev.get("command", command), prev.get("environment", env)
     summary = {"command": command, "environment": env,
                "max_new_tokens": args.max_new_tokens, "mean_tau": mean_tau, "results": table}

@@ -63,6 +63,12 @@ def bench_table(paths) -> str:
         text = p.read_text()
         recs += json.loads(text)["results"] if p.suffix == ".json" else [json.loads(x) for x in text.splitlines()
                                                                            if x.strip()]
+    # benchmark.py --passes: the single passes ("pass": i) stand behind their median row, which lists them; a run cut
+    # before its median rows keeps its passes in the table
+    medians = {(r["method"], r["dataset"], r.get("prompts"), r.get("temperature", 0)) for r in recs
+               if "tok_per_s_passes" in r}
+    recs = [r for r in recs if "pass" not in r
+            or (r["method"], r["dataset"], r.get("prompts"), r.get("temperature", 0)) not in medians]
 
     def ratio(r, base):  # tok/s of r over that of row `base` on the same prompts (dataset and --limit) and at the same
         # temperature (rows without one are greedy); "–" if none
@@ -76,6 +82,10 @@ def bench_table(paths) -> str:
     for r in recs:
         batch = r["method"].partition("@")[2]
         tps = f"{r['tok_per_s']:.1f}" if r.get("tok_per_s") else "error: " + str(r.get("error"))[:80].replace("|", "/")
+        if r.get("tok_per_s_passes"):  # the median of several passes: their range beside it
+            tps += f" ({min(r['tok_per_s_passes']):.0f}–{max(r['tok_per_s_passes']):.0f})"
+        elif "pass" in r:
+            tps += f" (pass {r['pass']})"
         tau = f"{r['tau']:.3f}" if r.get("tau") else "–"
         sp = [ratio(r, m) for m in ("hf_eager", "engine_ar@1", own_ar(r["method"]), batch and f"vllm_ar@{batch}")]
         out.append(f"| {r['dataset']} | {r.get('temperature', 0):g} | {r['method']} | {r['prompts']} | {tps} | {tau} | {r.get('mode', '–')} | "

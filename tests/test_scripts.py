@@ -208,6 +208,45 @@ def test_gpu_engine_check_trained_drafter_real_prompts_cpu(tmp_path):
     assert res.returncode != 0 and "--drafter needs --target" in res.stderr
 
 
+def test_benchmark_passes_alternate_and_report_the_median(tmp_path):
+    """--passes N: every method timed N times over the same prompts in alternating order; the row is the median pass
+    and lists all of them, and the table shows the median rows (not the passes behind them)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from benchmark import load_target
+    from results_tables import bench_table
+
+    target = load_target("tiny", torch.float32, "cpu")
+    build_drafter(target, "dflash", True).save_pretrained(tmp_path / "drafter")
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "mtbench.jsonl").write_text("".join(json.dumps({"id": i, "input_ids": [3 + i, 7, 11]}) + "\n"
+                                                   for i in range(2)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "benchmark.py"), "--target", "tiny", "--drafters",
+                    f"m={tmp_path / 'drafter'}", "--datasets", "mtbench", "--prompts_dir", str(prompts),
+                    "--max_new_tokens", "6", "--methods", "engine_ar", "engine", "hf_eager", "--passes", "3",
+                    "--out", str(out)], check=True, env=env, capture_output=True, cwd=tmp_path)
+    raw = [json.loads(x) for x in (out / "bench_raw.jsonl").read_text().splitlines()]
+    passes = [r for r in raw if "pass" in r]
+    assert [r["method"] for r in passes] == ["engine_ar@1", "engine:m@1", "hf_eager",  # pass 0 forward,
+                                             "hf_eager", "engine:m@1", "engine_ar@1",  # pass 1 reversed
+                                             "engine_ar@1", "engine:m@1", "hf_eager"]
+    rows = json.loads((out / "bench.json").read_text())["results"]
+    assert len(rows) == 3 and json.loads((out / "bench.json").read_text())["passes"] == 3
+    for r in rows:
+        mine = sorted(x["tok_per_s"] for x in passes if x["method"] == r["method"])
+        assert sorted(r["tok_per_s_passes"]) == mine and r["tok_per_s"] == mine[1] and "pass" not in r
+    table = bench_table([out / "bench_raw.jsonl"])
+    assert table.count("| mtbench |") == 3 and "(pass" not in table
+    cut = tmp_path / "cut.jsonl"  # a run cut before its medians: the passes show, labelled
+    cut.write_text("".join(json.dumps(r) + "\n" for r in passes[:2]))
+    assert bench_table([cut]).count("(pass 0)") == 2
+    with pytest.raises(subprocess.CalledProcessError):
+        subprocess.run([sys.executable, str(ROOT / "examples" / "benchmark.py"), "--target", "tiny", "--passes", "0",
+                        "--out", str(tmp_path / "x")], check=True, env=env, capture_output=True, cwd=tmp_path)
+
+
 def test_results_tables_gain_against_own_baseline(tmp_path):
     """The README's τ table: each Carryover row shows its gain over the baseline of the same drafter type."""
     sys.path.insert(0, str(ROOT / "examples"))
@@ -294,3 +333,33 @@ def test_carryover_signal_by_accepted(tmp_path):
         overall = r["first_rejected_row_right" if key == "row_right" else key] * r["rejections"]
         assert total == pytest.approx(overall, abs=0.01 * len(by))
     assert all(b["headroom_rate"] <= b["row_right_rate"] for b in by.values())
+
+
+def test_evaluate_tau_cut_run_keeps_its_command(tmp_path):
+    """A generate() run cut by a time limit writes no summary; `--summarize_only` later must credit the measuring
+    command (from run.json), not itself. Datasets are interleaved, so each has its first prompt done."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from benchmark import load_target
+
+    target = load_target("tiny", torch.float32, "cpu")
+    target.save_pretrained(tmp_path / "target")
+    build_drafter(target, "dflash", True).save_pretrained(tmp_path / "drafter")
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    for d in ("mtbench", "humaneval"):
+        (prompts / f"{d}.jsonl").write_text("".join(json.dumps({"id": f"{d}{i}", "input_ids": [3 + i, 7, 11]}) + "\n"
+                                                    for i in range(2)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    script = str(ROOT / "examples" / "evaluate_tau.py")
+    common = ["--target", str(tmp_path / "target"), "--drafters", f"m={tmp_path / 'drafter'}", "--prompts_dir",
+              str(prompts), "--datasets", "mtbench", "humaneval", "--dtype", "float32", "--out", str(tmp_path / "t")]
+    subprocess.run([sys.executable, script, *common, "--max_new_tokens", "5"], check=True, env=env,
+                   capture_output=True, cwd=tmp_path)
+    (tmp_path / "t" / "summary.json").unlink()  # as if cut before summarising
+    raw = [json.loads(x) for x in (tmp_path / "t" / "raw-0.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in raw] == ["mtbench0", "humaneval0", "mtbench1", "humaneval1"]  # interleaved
+    subprocess.run([sys.executable, script, *common, "--summarize_only"], check=True, env=env, capture_output=True,
+                   cwd=tmp_path)
+    summary = json.loads((tmp_path / "t" / "summary.json").read_text())
+    assert "--max_new_tokens 5" in summary["command"] and "--summarize_only" not in summary["command"]
+    assert summary["results"]["m|mtbench|T=0.0"]["prompts"] == 2

@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from hf_carryover import Drafter
 from hf_carryover.training.data import ResponseCollator, ResponseDataset, regenerate_responses
 from hf_carryover.training.masks import dense_drafter_mask, verify_mask
+from hf_carryover.training.trainer import CarryoverTrainer, CarryoverTrainingArguments
 from hf_carryover.training.objectives import (
     block_targets,
     carry_chain,
@@ -320,3 +321,16 @@ def test_carry_chain_follows_generate_rounds(typ):
     for r, props in enumerate(c["proposals"] + [last]):
         toks = gen.rounds[r]["tokens"]
         assert props[0, 0, : len(toks)].tolist() == toks, r
+
+
+def test_one_process_seeing_several_gpus_is_refused(tmp_path, monkeypatch):
+    """One process with two visible GPUs would make Trainer run DataParallel: twice the batch, the frozen target on
+    one GPU (what the 2026-11-29 "1-GPU" DDP comparison ran without knowing). The trainer refuses, naming the fix."""
+    target = tiny_target()
+    drafter = Drafter.from_target(target, drafter_type="dflash", carryover=False, block_size=4, num_hidden_layers=1,
+                                  mask_token_id=5)
+    args = CarryoverTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    CarryoverTrainer(model=drafter, args=args, target=target)  # one device: fine
+    monkeypatch.setattr(CarryoverTrainingArguments, "n_gpu", property(lambda self: 2))
+    with pytest.raises(ValueError, match="sees 2 GPUs.*DataParallel.*--num_processes 2 --multi_gpu.*CUDA_VISIBLE_DEVICES"):
+        CarryoverTrainer(model=drafter, args=args, target=target)

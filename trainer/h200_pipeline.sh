@@ -42,6 +42,9 @@
 # Fourth run of 2026-11-30 (examples/results/h200-2026-11-30d/): stash; stashinit; TYPES=dflash S1_MINUTES=6
 # S1_INIT=dflash-stage1 train1 (the third stage-1 run); stage2 (S2_MINUTES=3.4) + tau in one call; two engine calls
 # (CHECK_DRAFTER check, T=1 compiled rows, HF rows); gpu_engine_check.py --sampled typed inline; ~28 device-minutes.
+# Fifth run of 2026-11-30 (examples/results/h200-2026-11-30e/): stash; stashinit + vllmstash (.init/dflash-stage1,
+# .vllm/drafters/dflash-baseline); vllmstash (dflash-carryover); prep + tau + engine (T=0 and T=1 compiled rows) in one
+# call; ddp beside gentau; engine (reversed drafters, throughput, HF rows); stash + ddp on a fresh machine (~29 minutes).
 # With drafter weights committed in model_cards/, run `bash trainer/device_tree.sh light` before the calls.
 # Checkpoints: stage2 packs all four drafters in bf16 and queues them as tar parts (DFlash pair first); each call
 # ships the oldest 4 parts.

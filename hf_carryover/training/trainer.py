@@ -41,6 +41,13 @@ class CarryoverTrainer(Trainer):
             raise ValueError(f"Unknown stage {args.stage}; expected 1 or 2.")
         if args.carry_chain < 1:
             raise ValueError(f"carry_chain={args.carry_chain}: stage 2 needs at least one draft-verify step (1 or more).")
+        if args.n_gpu > 1:  # one process that sees several GPUs: Trainer would wrap the drafter in DataParallel
+            raise ValueError(
+                f"This one training process sees {args.n_gpu} GPUs, so transformers' Trainer would run torch "
+                f"DataParallel over them: the batch grows {args.n_gpu}x (per_device_train_batch_size x {args.n_gpu}) "
+                "while the frozen target stays on one GPU. Start one process per GPU (`accelerate launch "
+                f"--num_processes {args.n_gpu} --multi_gpu trainer/train.py ...`) or pick one GPU "
+                "(`CUDA_VISIBLE_DEVICES=0`).")
         super().__init__(model=model, args=args, **kwargs)
         self.model_accepts_loss_kwargs = False  # our loss is already a mean
         self.target = target.to(self.args.device).eval().requires_grad_(False)
