@@ -334,3 +334,41 @@ def test_one_process_seeing_several_gpus_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(CarryoverTrainingArguments, "n_gpu", property(lambda self: 2))
     with pytest.raises(ValueError, match="sees 2 GPUs.*DataParallel.*--num_processes 2 --multi_gpu.*CUDA_VISIBLE_DEVICES"):
         CarryoverTrainer(model=drafter, args=args, target=target)
+
+
+def test_sampled_response_sets(tmp_path):
+    """T=1 regeneration: a seed reproduces its set, another seed gives another set, and tokens come from the whole
+    distribution (top-k off: transformers' default top_k=50 would never pick a token ranked 50 or lower); the
+    script's --start skips prompts a greedy set already covers."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    target = tiny_target(vocab=128, init=0.005)  # a flat distribution: low ranks get sampled
+    prompts = [(f"p{i}", [3 + i, 9, 4, 7]) for i in range(8)]
+
+    def responses(out, **kw):
+        regenerate_responses(target, prompts, tmp_path / out, max_new_tokens=16, batch_size=4, **kw)
+        return [r["input_ids"] for r in ResponseDataset(tmp_path / out).records]
+
+    a, b, c = responses("a", temperature=1.0, seed=0), responses("b", temperature=1.0, seed=0), \
+        responses("c", temperature=1.0, seed=1)
+    assert a == b and a != c
+    greedy = responses("g")
+    assert greedy == responses("g2", temperature=0.0, seed=5)  # greedy ignores the seed
+    with torch.no_grad():  # rank of every sampled token under the target's distribution at its step
+        ranks = []
+        for seq in a:
+            logits = target(torch.tensor([seq])).logits[0, 3:-1]  # predictions for tokens 4..end
+            tok = torch.tensor(seq[4:])
+            ranks += (logits > logits.gather(1, tok[:, None])).sum(1).tolist()
+    assert max(ranks) >= 50
+    target.save_pretrained(tmp_path / "target")
+    pfile = tmp_path / "prompts.jsonl"
+    pfile.write_text("".join(json.dumps({"id": pid, "input_ids": ids}) + "\n" for pid, ids in prompts))
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, str(root / "trainer" / "regenerate.py"), "--target", str(tmp_path / "target"),
+                    "--prompts", str(pfile), "--out", str(tmp_path / "late"), "--start", "5", "--dtype", "float32",
+                    "--max_new_tokens", "4", "--temperature", "1", "--seed", "3"], check=True, capture_output=True,
+                   env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert [r["id"] for r in ResponseDataset(tmp_path / "late").records] == ["p5", "p6", "p7"]

@@ -23,5 +23,7 @@ rm .device/smollm2.gguf
 git rev-parse HEAD > .device/commit
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 -d .whl "gguf==$($PY -c 'import gguf, importlib.metadata as m; print(m.version("gguf"))')"
-$PY trainer/prepare_prompts.py --out assets/prompts --train 8000 --heldout 100
+# every training prompt (8592 fit 512 tokens; the first 8000, the ones the 2026-11-29 greedy set answers, come first
+# in the same order, so `regen` sets can start past them: REGEN_SETS="0:0:8000 ...")
+$PY trainer/prepare_prompts.py --out assets/prompts --train 20000 --heldout 100
 ls -la .device/p1 .device/p2 .whl assets/prompts

@@ -14,6 +14,7 @@
 #   eval    GPU 0: a time-boxed τ cross-check through generate() itself (T=0 and T=1, GEN_LIMIT prompts);
 #           GPU 1: engine check, examples/benchmark.py, profile and 4B projection (τ proper: the `tau` phase)
 #   tau     τ of the four drafters, T=0 and T=1, batched engine in fp32 (one pair per GPU; ~4 min)
+#   regen   more training responses on both GPUs (sampled sets, or prompts past the first 8000), returned as tar parts
 #   gentau  τ through generate() itself on all prompts, worker processes per GPU, time-boxed (GEN_G0, GEN_G1)
 #   ddp     the 1-GPU against 2-GPU training check (trainer/ddp_check.sh) on the real target
 #   fetch   returns the checkpoint parts still queued (4 x 15 MB a call)
@@ -280,6 +281,28 @@ tau)  # τ of the four drafters at T=0 and T=1 through the batched engine (fp32)
   for g in "${groups[@]}"; do D=""; for e in ${g#*:}; do D="$D ${e%%=*}=x"; done
     python3 examples/evaluate_tau.py --out $R/tau_engine_${g%%:*} --summarize_only --drafters $D | tail -8 || true
   done
+  ;;
+regen)  # more training responses (trainer/regenerate.py), REGEN_SETS="T:SEED:START ..." (e.g. "0:0:8000 1:1:0 1:2:0":
+  # greedy for the prompts past the first 8000, then two sampled sets over all), set i on GPU i % 2 with REGEN_WORKERS
+  # processes each, into ~/assets/data/train/regen-T<T>-s<SEED>; prompts from ~/assets/prompts/sharegpt_train.jsonl
+  # (carry assets/prompts made by `trainer/prepare_prompts.py --train 20000`). Each set returns as 15 MB tar parts.
+  have_target || join_gguf
+  python3 -c "from hf_carryover.reference import reference_target as r; r()" 2>&1 | tail -1
+  [ -d assets/prompts ] && rm -rf "$A/prompts" && cp -r assets/prompts "$A/prompts"
+  log "regen: $(wc -l < $A/prompts/sharegpt_train.jsonl) training prompts"
+  i=0
+  for spec in ${REGEN_SETS:-1:1:0}; do
+    IFS=: read -r t seed start <<< "$spec"; name=regen-T$t-s$seed; g=$((i % 2)); i=$((i + 1))
+    ( for w in $(seq 0 $((${REGEN_WORKERS:-4} - 1))); do
+        CUDA_VISIBLE_DEVICES=$g timeout ${REGEN_SECONDS:-400} python3 trainer/regenerate.py --prompts $A/prompts/sharegpt_train.jsonl \
+          --out $A/data/train/$name --temperature $t --seed $seed --start $start --num_workers ${REGEN_WORKERS:-4} \
+          --worker_index $w > "$L/$name-w$w.log" 2>&1 &
+      done; wait
+      n=$(cat $A/data/train/$name/*/shard-*.jsonl 2>/dev/null | wc -l)
+      log "$name: $n responses"
+      tar czf - -C $A/data/train $name | split -b 15M - "$OUT/data-$name.tgz.part" ) &
+  done
+  wait
   ;;
 gentau)  # τ through target.generate(assistant_model=...) itself, fp32, GEN_WORKERS processes per GPU (a 135M target
   # decodes launch-bound), GPU g measuring the drafters GEN_G<g> (LABEL=RUN entries as in `tau`), temperatures

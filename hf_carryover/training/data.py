@@ -32,7 +32,8 @@ def regenerate_responses(target, prompts, out_dir, *, max_new_tokens=256, batch_
     """Generate the target's response to each prompt and store `(prompt + response)` ids in shards.
 
     prompts: list of `(id, prompt_ids: list[int])`, already chat-templated. Batched with left padding.
-    Returns the list of shard paths. Shards already on disk are skipped (resume).
+    Returns the list of shard paths. Shards already on disk are skipped (resume). temperature > 0 samples (seeded
+    per batch from `seed`, so a set is reproducible and another seed gives another set).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -57,9 +58,12 @@ def regenerate_responses(target, prompts, out_dir, *, max_new_tokens=256, batch_
                 ids[r, width - len(p):] = torch.tensor(p)
                 mask[r, width - len(p):] = 1
             torch.manual_seed(seed + s * 100003 + i)
+            # sampling reads the target's own distribution at `temperature`: top-k and top-p off (transformers
+            # would otherwise fill in its default top_k=50 where the model's generation config names none)
+            sample = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 \
+                else {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
             gen = target.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-                                  do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
-                                  top_p=None, top_k=None, pad_token_id=pad)
+                                  pad_token_id=pad, **sample)
             for r, (pid, p) in enumerate(chunk):
                 resp = gen[r, width:].tolist()
                 for n, tok in enumerate(resp):
