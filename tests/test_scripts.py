@@ -86,6 +86,51 @@ def test_accelerate_launch_tiny_cpu(tmp_path):
     assert log[-1]["step"] == 2
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_two_processes_train_like_one_at_equal_global_batch(tmp_path, stage):
+    """Data-parallel training on 2 CPU processes (torchrun, gloo) at 2 sequences each equals 1 process at 4: one SGD step
+    from the same drafter on the same 4 responses gives the same weights. Responses of very different lengths, so
+    that each rank's own loss mean would weigh tokens differently (what made the 2-GPU curve of 2026-11-30e sit
+    below the 1-GPU one)."""
+    from test_training import tiny_target
+
+    from hf_carryover import Drafter
+
+    target = tiny_target()
+    target.save_pretrained(tmp_path / "target")
+    data = tmp_path / "data"
+    data.mkdir()
+    lengths = [4, 40, 6, 5]  # response tokens: however the sampler splits them, one rank holds the long one
+    torch.manual_seed(0)
+    recs = [{"id": f"r{i}", "prompt_len": 3, "input_ids": torch.randint(6, 60, (3 + n,)).tolist()}
+            for i, n in enumerate(lengths)]
+    (data / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    init = tmp_path / "init"
+    torch.manual_seed(1)
+    Drafter.from_target(target, drafter_type="dflash", carryover=stage == 2, block_size=4, num_hidden_layers=1,
+                        mask_token_id=5).save_pretrained(init)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+
+    def run(n_proc, per_device, out):
+        # torchrun (gloo on CPU): `accelerate launch --cpu --num_processes 2` starts a single process here
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n_proc),
+               "--master_port", str(29600 + n_proc + 10 * stage), str(ROOT / "trainer" / "train.py"), "--target", str(tmp_path / "target"), "--target_dtype", "float32",
+               "--data_dir", str(data), "--init_from", str(init), "--stage", str(stage),
+               "--carryover", "true" if stage == 2 else "false", "--num_anchors", "64", "--optim", "sgd",
+               "--learning_rate", "0.5", "--lr_scheduler_type", "constant", "--max_grad_norm", "0",
+               "--per_device_train_batch_size", str(per_device), "--max_steps", "1", "--report_to", "none",
+               "--use_cpu", "true", "--save_strategy", "no", "--dataloader_num_workers", "0", "--output_dir", str(out)]
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp_path)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return Drafter.from_pretrained(out / "final", dtype=torch.float32).state_dict()
+
+    one, two = run(1, 4, tmp_path / "one"), run(2, 2, tmp_path / "two")
+    start = Drafter.from_pretrained(init, dtype=torch.float32).state_dict()
+    moved = max(float((one[k] - start[k]).abs().max()) for k in one)
+    gap = max(float((one[k] - two[k]).abs().max()) for k in one)
+    assert moved > 1e-3 and gap < 1e-3 * moved, (moved, gap)
+
+
 def test_time_limit_fits_the_lr_schedule_to_the_budget():
     """The fitted cosine reaches its floor exactly at the projected step, and training stops there."""
     import importlib.util

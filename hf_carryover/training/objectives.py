@@ -81,15 +81,34 @@ def proposal_logits(drafter, hidden, prev_tokens):
     return logits
 
 
+def _data_parallel_denominator(denom):
+    """The loss denominator shared by all data-parallel ranks: the mean of their weight sums.
+
+    Why: DDP averages the ranks' gradients. With each rank dividing by its own weight sum, that average weighs a
+    token on a rank of short responses more than one on a rank of long ones, so 2 GPUs at 8 sequences each train
+    (and log) a different mean than 1 GPU at 16. The 2026-11-30e check on the real target showed the 2-GPU curve
+    0.05-0.1 below the 1-GPU one at every step, on the same batches. Dividing by the mean weight sum instead makes
+    the averaged gradient the single-process one exactly (`tests/test_scripts.py`, 2 CPU processes against 1).
+    Only while training (gradients on): evaluation pools its own way, and a collective there is not needed."""
+    import torch.distributed as dist
+
+    if not (torch.is_grad_enabled() and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return denom
+    total = denom.detach().clone()
+    dist.all_reduce(total)
+    return (total / dist.get_world_size()).clamp(min=1e-6)
+
+
 def block_loss(logits, labels, ok, weights, target_logits=None, l1_weight: float = 0.0):
     """Weighted CE (+ l1_weight * ||p_draft - p_target||_1, which is 2*TV) and per-position accuracy."""
     w = weights[None, None, :] * ok.float()
     ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
     denom = w.sum().clamp(min=1e-6)
-    loss = (ce * w).sum() / denom
+    shared = _data_parallel_denominator(denom)  # = denom in one process
+    loss = (ce * w).sum() / shared
     if target_logits is not None and l1_weight > 0:
         l1 = (logits.softmax(-1) - target_logits.float().softmax(-1)).abs().sum(-1)
-        loss = (1 - l1_weight) * loss + l1_weight * (l1 * w).sum() / denom
+        loss = (1 - l1_weight) * loss + l1_weight * (l1 * w).sum() / shared
     with torch.no_grad():
         hit = (logits.argmax(-1) == labels) & ok
         acc = hit.float().sum((0, 1)) / ok.float().sum((0, 1)).clamp(min=1)
