@@ -145,6 +145,35 @@ def test_num_assistant_tokens_caps_proposals(drafter_type, carryover, monkeypatc
         speculative(target, drafter, ids, 40, num_assistant_tokens=0)
 
 
+@pytest.mark.parametrize("schedule", ["heuristic", "heuristic_transient"])
+def test_num_assistant_tokens_schedule(schedule, monkeypatch):
+    """transformers' `num_assistant_tokens_schedule`: +2 proposals after a round that keeps them all, -1 after any
+    other (within 1..block), output exact; "heuristic" carries the value into the next call, "heuristic_transient"
+    starts again from `num_assistant_tokens`; an unknown schedule is refused."""
+    target = build_target("llama")
+    ids = make_prompt(5)
+    ref = greedy(target, ids, 40)
+    assert_clear_argmax(target, ref, 5)
+    monkeypatch.setattr(CarryoverCandidateGenerator, "_choose", oracle_choose(ref, VOCAB, _corrupt))
+    drafter = build_drafter(target, "dflash", True, block_size=8)
+    block = drafter.config.num_proposals
+    kw = dict(num_assistant_tokens=2, num_assistant_tokens_schedule=schedule)
+    assert torch.equal(speculative(target, drafter, ids, 40, **kw), ref)
+    rounds = drafter.last_candidate_generator.rounds
+    cap = 2
+    for i, r in enumerate(rounds):
+        # the last round may be cut by the length budget; every other proposes exactly the scheduled number
+        assert r["proposals"] == cap or (i == len(rounds) - 1 and r["proposals"] < cap), (i, r, cap)
+        cap = min(cap + 2, block) if r["accepted"] >= r["proposals"] else max(1, cap - 1)
+    assert len({r["proposals"] for r in rounds}) > 2  # it moved both ways
+    assert any(r["accepted"] < r["proposals"] for r in rounds) and any(r["accepted"] == r["proposals"] for r in rounds)
+    speculative(target, drafter, ids, 40, **kw)
+    first = drafter.last_candidate_generator.rounds[0]["proposals"]
+    assert cap != 2 and first == (cap if schedule == "heuristic" else 2), (first, cap)
+    with pytest.raises(ValueError, match="num_assistant_tokens_schedule='sometimes'"):
+        speculative(target, drafter, ids, 40, num_assistant_tokens_schedule="sometimes")
+
+
 def _eos_setup(arch, prompt_len=5, min_index=6, horizon=40):
     """Pick as EOS a token the target emits greedily for the first time at generated index >= min_index."""
     target = build_target(arch)

@@ -63,6 +63,16 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         if n is not None and int(n) < 1:
             raise ValueError(f"num_assistant_tokens={n}: a drafter must propose at least one token per round.")
         self.max_proposals = min(int(n), self.config.num_proposals) if n is not None else self.config.num_proposals
+        # transformers' schedule for that number: "constant" (default), or "heuristic" / "heuristic_transient": +2
+        # after a round that accepts every proposal, -1 after any other (at least 1, at most the block); "heuristic"
+        # keeps the value on the drafter for its next generate() call, as transformers keeps it on its assistant
+        self.schedule = getattr(generation_config, "num_assistant_tokens_schedule", None) or "constant"
+        if self.schedule not in ("constant", "heuristic", "heuristic_transient"):
+            raise ValueError(f"num_assistant_tokens_schedule={self.schedule!r}: expected 'constant', 'heuristic' or "
+                             "'heuristic_transient'.")
+        kept = getattr(drafter, "_hf_carryover_num_proposals", None)
+        if self.schedule == "heuristic" and kept is not None:
+            self.max_proposals = min(int(kept), self.config.num_proposals)
         self.rounds: list[dict] = []
         self._pending = None  # number of proposals of the round being verified
         self._pad_offset = 0
@@ -79,9 +89,16 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         return sum(r["accepted"] + 1 for r in self.rounds) / len(self.rounds)
 
     def update_candidate_strategy(self, input_ids, scores, num_matches):
-        """Record acceptance (overridden: on transformers 5.17 the base class method must not be used)."""
+        """Record acceptance and follow the proposal schedule (overridden: on transformers 5.17 the base class
+        method must not be used)."""
         if self._pending:
             self.rounds[-1]["accepted"] = int(num_matches)
+            if self.schedule != "constant":
+                all_kept = int(num_matches) >= self.rounds[-1]["proposals"]
+                self.max_proposals = (min(self.max_proposals + 2, self.config.num_proposals) if all_kept
+                                      else max(1, self.max_proposals - 1))
+                if self.schedule == "heuristic":
+                    self.drafter._hf_carryover_num_proposals = self.max_proposals
         self._pending = None
 
     # -------------------------------------------------------------- drafting
