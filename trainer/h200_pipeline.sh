@@ -405,18 +405,26 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
   have_target || join_gguf
   serve_target; S=$A/serve
   [ -d "$A/prompts" ] || cp -r assets/prompts "$A/prompts"
+  pin() {  # pin GPU: the command prefix that keeps a GPU's job on its own half of the cores (ENGINE_PIN=0: off). The
+    # batch-1 engine is launch-bound, so a job compiling on all cores beside it slows it: the likely cause of the
+    # 2026-11-30e speed differences between calls. Inductor's compile threads are capped to the same half.
+    local n; n=$(nproc); local h=$((n / 2))
+    if [ "${ENGINE_PIN:-1}" = 1 ] && command -v taskset >/dev/null && [ "$h" -ge 2 ]; then
+      echo "env TORCHINDUCTOR_COMPILE_THREADS=$h taskset -c $(( $1 * h ))-$(( $1 * h + h - 1 ))"
+    fi
+  }
   ejob() {  # ejob GPU INDEX "METHODS|DRAFTERS|DATASETS|FLAGS"
     if [ "$3" = check ]; then  # CHECK_DRAFTER=NAME: the real target, that trained drafter and MT-Bench prompts
       T=""; if [ -n "${CHECK_DRAFTER:-}" ]; then f=$A/drafters/$CHECK_DRAFTER; [ -d $f ] || f=$A/runs/$CHECK_DRAFTER/final
         T="--target reference --drafter $f --prompts_dir $A/prompts"; fi
-      CUDA_VISIBLE_DEVICES=$1 timeout ${CHECK_SECONDS:-200} python3 trainer/gpu_engine_check.py --compile --dtypes fp32 \
+      CUDA_VISIBLE_DEVICES=$1 timeout ${CHECK_SECONDS:-200} $(pin $1) python3 trainer/gpu_engine_check.py --compile --dtypes fp32 \
         --kinds ${CHECK_KINDS:-dflash} --batch_sizes ${CHECK_BATCHES:-1} $T --out $R/${stamp}_engine_check_fp32.json \
         > "$L/check_$stamp.log" 2>&1 || log "engine check stopped: $?"
       flush; return
     fi
     IFS='|' read -r m d ds fl box <<< "$3"; D=""
     for n in $d; do f=$A/drafters/$n; [ -d $f ] || f=$A/runs/$n/final; D="$D $n=$f"; done
-    CUDA_VISIBLE_DEVICES=$1 timeout ${box:-${ENGINE_BOX:-300}} python3 examples/benchmark.py --target $S/target --prompts_dir $A/prompts \
+    CUDA_VISIBLE_DEVICES=$1 timeout ${box:-${ENGINE_BOX:-300}} $(pin $1) python3 examples/benchmark.py --target $S/target --prompts_dir $A/prompts \
       --methods $m ${D:+--drafters $D} --datasets $ds --limit ${VLLM_LIMIT:-10} --max_new_tokens ${VLLM_MAX_NEW:-256} \
       --batch_sizes ${VLLM_BATCHES:-1 8} --cuda_graphs ${ENGINE_FLAGS:-} $fl --out $R/${stamp}_gpu$1_$2 > "$L/bench_${stamp}_gpu$1_$2.log" 2>&1 \
       || log "engine job $2 on GPU $1 stopped: $?"
