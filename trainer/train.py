@@ -200,7 +200,19 @@ def main(argv=None):
             (final / "eval_metrics.json").write_text(json.dumps(metrics, indent=2))
     if trainer.is_world_process_zero():
         (final / "train_log.json").write_text(json.dumps(trainer.state.log_history, indent=2))
+    _close_process_group()
     return trainer
+
+
+def _close_process_group():
+    """Leave a data-parallel run in step: all ranks wait for rank 0's files, then close the process group. Left to
+    interpreter exit, the group's teardown can abort a rank (SIGABRT, "terminate called without an active exception",
+    seen with gloo on CPU) after the work is done, and torchrun then reports the whole run failed."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
