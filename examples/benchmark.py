@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -216,6 +217,15 @@ def main():
     if args.methods:
         methods = [m for m in methods if m[0].split("@")[0].split(":")[0] in args.methods or m[0] in args.methods]
 
+    def measure(name, fn, dataset, prompts, **extra):
+        # the host's 1-minute load average before and after: a batch-1 engine is launch-bound, so a busy host (a
+        # compiling job on another GPU of the machine) slows it; the load beside each row lets a reader tell
+        load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        res = {"method": name, "dataset": dataset, "prompts": len(prompts), "temperature": T, **fn(prompts), **extra}
+        if load0 is not None:
+            res["host_load"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+        return res
+
     def record(res):
         raw.write(json.dumps(res) + "\n")
         raw.flush()
@@ -235,7 +245,7 @@ def main():
         if args.passes == 1:  # each method warms up and is timed in turn: rows land as they finish
             for name, fn in methods:
                 warm(name, fn, prompts)
-                res = {"method": name, "dataset": dataset, "prompts": len(prompts), "temperature": T, **fn(prompts)}
+                res = measure(name, fn, dataset, prompts)
                 rows.append(res)
                 record(res)
             continue
@@ -248,8 +258,7 @@ def main():
         passes = {name: [] for name, _ in methods}
         for i in range(args.passes):
             for name, fn in (methods if i % 2 == 0 else methods[::-1]):
-                res = {"method": name, "dataset": dataset, "prompts": len(prompts), "temperature": T, **fn(prompts),
-                       "pass": i}
+                res = measure(name, fn, dataset, prompts, **{"pass": i})
                 passes[name].append(res)
                 record(res)
         for name, _ in methods:

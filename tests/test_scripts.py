@@ -279,6 +279,7 @@ def test_benchmark_passes_alternate_and_report_the_median(tmp_path):
                                              "engine_ar@1", "engine:m@1", "hf_eager"]
     rows = json.loads((out / "bench.json").read_text())["results"]
     assert len(rows) == 3 and json.loads((out / "bench.json").read_text())["passes"] == 3
+    assert all(len(r["host_load"]) == 2 for r in raw)  # the host's load beside every measurement
     for r in rows:
         mine = sorted(x["tok_per_s"] for x in passes if x["method"] == r["method"])
         assert sorted(r["tok_per_s_passes"]) == mine and r["tok_per_s"] == mine[1] and "pass" not in r
