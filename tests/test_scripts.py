@@ -120,7 +120,8 @@ def test_two_processes_train_like_one_at_equal_global_batch(tmp_path, stage):
                "--learning_rate", "0.5", "--lr_scheduler_type", "constant", "--max_grad_norm", "0",
                "--per_device_train_batch_size", str(per_device), "--max_steps", "1", "--report_to", "none",
                "--use_cpu", "true", "--save_strategy", "no", "--dataloader_num_workers", "0", "--output_dir", str(out)]
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp_path)
+        # a time limit: a rank stuck in the process group's teardown must fail the test, not hang the suite
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=300)
         assert res.returncode == 0, res.stderr[-3000:]
         return Drafter.from_pretrained(out / "final", dtype=torch.float32).state_dict()
 

@@ -200,19 +200,29 @@ def main(argv=None):
             (final / "eval_metrics.json").write_text(json.dumps(metrics, indent=2))
     if trainer.is_world_process_zero():
         (final / "train_log.json").write_text(json.dumps(trainer.state.log_history, indent=2))
-    _close_process_group()
+    _close_process_group(trainer)
     return trainer
 
 
-def _close_process_group():
-    """Leave a data-parallel run in step: all ranks wait for rank 0's files, then close the process group. Left to
-    interpreter exit, the group's teardown can abort a rank (SIGABRT, "terminate called without an active exception",
-    seen with gloo on CPU) after the work is done, and torchrun then reports the whole run failed."""
+def _close_process_group(trainer):
+    """End a data-parallel run in step. Why: left to interpreter exit, the process group is torn down by whatever
+    releases it last, DDP's gradient reducer included, at a moment when the other rank may have exited already;
+    with gloo on CPU that aborted a finished rank (SIGABRT, "terminate called without an active exception") in one
+    CI run, and destroying the group while the reducer still held it hung the other rank in the group's destructor.
+    So all ranks wait for rank 0's files, drop the DDP wrapper (and accelerate's references to it) while every rank
+    is still there, wait again, and only then close the group."""
+    import gc
+
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.barrier()
+    trainer.model_wrapped = trainer.model  # the drafter itself; the DDP wrapper goes with the last references
+    trainer.accelerator.free_memory()
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
