@@ -77,6 +77,10 @@ serve_target() {  # the bf16 serving folder of the converted target, ~/assets/se
   [ -d "$A/serve/target" ] || python3 -c "from hf_carryover.reference import save_reference_for_serving as s; s('$A/serve/target')"
 }
 have_target() { [ -f "$A/cache/SmolLM2-135M-Instruct/hf_carryover_source.json" ] || [ -f "$A/smollm2.gguf" ]; }
+ready_target() {  # the converted reference target, joining the GGUF first where this machine has none yet
+  have_target || join_gguf
+  python3 -c "from hf_carryover.reference import reference_target as r; r()" 2>&1 | tail -1
+}
 join_gguf() {  # the reference GGUF from stash's half and the carried .device/p2 half, md5-checked
   cat "$A/part00" .device/p2/part01 > "$A/smollm2.gguf"
   (cd "$A" && echo "$(cut -d' ' -f1 "$OLDPWD/.device/p2/smollm2.md5")  smollm2.gguf" | md5sum -c -)
@@ -172,8 +176,7 @@ train1)
   ;;
 prep)  # the target only: joins the GGUF (carry .device/p2, .whl) and converts it, plus the bf16 serving folder, so
   # that phases started together in one call (e.g. `stage2 & engine`) find it ready instead of racing to make it
-  have_target || join_gguf
-  python3 -c "from hf_carryover.reference import reference_target as r; r()" 2>&1 | tail -1
+  ready_target
   serve_target
   [ -d assets/prompts ] && [ ! -d "$A/prompts" ] && cp -r assets/prompts "$A/prompts"
   log "target ready"
@@ -286,8 +289,7 @@ regen)  # more training responses (trainer/regenerate.py), REGEN_SETS="T:SEED:ST
   # greedy for the prompts past the first 8000, then two sampled sets over all), set i on GPU i % 2 with REGEN_WORKERS
   # processes each, into ~/assets/data/train/regen-T<T>-s<SEED>; prompts from ~/assets/prompts/sharegpt_train.jsonl
   # (carry assets/prompts made by `trainer/prepare_prompts.py --train 20000`). Each set returns as 15 MB tar parts.
-  have_target || join_gguf
-  python3 -c "from hf_carryover.reference import reference_target as r; r()" 2>&1 | tail -1
+  ready_target
   [ -d assets/prompts ] && rm -rf "$A/prompts" && cp -r assets/prompts "$A/prompts"
   log "regen: $(wc -l < $A/prompts/sharegpt_train.jsonl) training prompts"
   i=0
@@ -307,8 +309,7 @@ regen)  # more training responses (trainer/regenerate.py), REGEN_SETS="T:SEED:ST
 gentau)  # τ through target.generate(assistant_model=...) itself, fp32, GEN_WORKERS processes per GPU (a 135M target
   # decodes launch-bound), GPU g measuring the drafters GEN_G<g> (LABEL=RUN entries as in `tau`), temperatures
   # GEN_TEMPS, within GEN_SECONDS; datasets interleaved, so a cut run covers each dataset's first prompts alike
-  have_target || join_gguf
-  python3 -c "from hf_carryover.reference import reference_target as r; r()" 2>&1 | tail -1
+  ready_target
   gen_run() {  # gen_run GPU DRAFTER...
     local g=$1; shift
     CUDA_VISIBLE_DEVICES=$g timeout ${GEN_SECONDS:-300} python3 examples/evaluate_tau.py --prompts_dir $A/prompts \
@@ -324,8 +325,7 @@ gentau)  # τ through target.generate(assistant_model=...) itself, fp32, GEN_WOR
   ;;
 ddp)  # trainer/ddp_check.sh on the real target: stage 1 from scratch on 1 GPU (batch DDP_BATCH) and on 2 GPUs (half
   # each), same seed and steps, then 20 stage-2 steps on 2 GPUs; curves and held-out metrics in $R/ddp_check.json
-  have_target || join_gguf
-  python3 -c "from hf_carryover.reference import reference_target as r; r()" 2>&1 | tail -1
+  ready_target
   OUT=$R DDP_TARGET=reference DDP_STEPS=${DDP_STEPS:-300} DDP_BATCH=${DDP_BATCH:-16} DDP_LOG_EVERY=10 \
     DDP_EVAL_RECORDS=64 timeout ${DDP_SECONDS:-330} bash trainer/ddp_check.sh $A/data > "$L/ddp_check.log" 2>&1 \
     || log "ddp check stopped: $?"
