@@ -300,7 +300,7 @@ regen)  # more training responses (trainer/regenerate.py), REGEN_SETS="T:SEED:ST
           --out $A/data/train/$name --temperature $t --seed $seed --start $start --num_workers ${REGEN_WORKERS:-4} \
           --worker_index $w > "$L/$name-w$w.log" 2>&1 &
       done; wait
-      n=$(cat $A/data/train/$name/*/shard-*.jsonl 2>/dev/null | wc -l)
+      n=$(find $A/data/train/$name -name "shard-*.jsonl" -exec cat {} + | wc -l)  # w<i>/ folders, or none with one worker
       log "$name: $n responses"
       tar czf - -C $A/data/train $name | split -b 15M - "$OUT/data-$name.tgz.part" ) &
   done
