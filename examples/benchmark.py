@@ -15,7 +15,8 @@ Methods (each skipped with a recorded reason when it cannot run here):
 Engine rows record `mode`: how the engine ran ("eager", "cuda_graph", or why graphs were not used).
 vLLM rows (vllm_ar@b, vllm_dflash:<name>@b) come from examples/bench_vllm.py run with the same --out.
 Timing: warm-up excluded, CUDA-synchronised wall time; `--passes N` times every method N times in alternating
-order and reports the median pass. Every finished measurement is appended to `<out>/bench_raw.jsonl`; `<out>/bench.json` and `<out>/bench.md` summarise with environment.
+order and reports the median pass. Every finished measurement is appended to `<out>/bench_raw.jsonl`;
+`<out>/bench.json` and `<out>/bench.md` summarise with environment.
 """
 
 from __future__ import annotations
@@ -286,7 +287,8 @@ def main():
         not_covered["cuda_graphs"] = "engine rows ran eagerly; --cuda_graphs replays greedy rounds as CUDA graphs"
     summary = {"command": " ".join(["python"] + sys.argv), "environment": environment(),
                "max_new_tokens": args.max_new_tokens, "temperature": T, "warmup": args.warmup,
-               "cuda_graphs": args.cuda_graphs, "compile": args.compile, "passes": args.passes, "results": rows, "not_covered": not_covered}
+               "cuda_graphs": args.cuda_graphs, "compile": args.compile, "passes": args.passes, "results": rows,
+               "not_covered": not_covered}
     (out_dir / "bench.json").write_text(json.dumps(summary, indent=2))
     lines = ["| dataset | method | tok/s | τ | × hf_eager | × engine_ar@1 | mode |", "|---|---|---|---|---|---|---|"]
 

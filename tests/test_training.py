@@ -340,6 +340,7 @@ def test_sampled_response_sets(tmp_path):
     """T=1 regeneration: a seed reproduces its set, another seed gives another set, and tokens come from the whole
     distribution (top-k off: transformers' default top_k=50 would never pick a token ranked 50 or lower); the
     script's --start skips prompts a greedy set already covers."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -370,5 +371,5 @@ def test_sampled_response_sets(tmp_path):
     subprocess.run([sys.executable, str(root / "trainer" / "regenerate.py"), "--target", str(tmp_path / "target"),
                     "--prompts", str(pfile), "--out", str(tmp_path / "late"), "--start", "5", "--dtype", "float32",
                     "--max_new_tokens", "4", "--temperature", "1", "--seed", "3"], check=True, capture_output=True,
-                   env={**__import__("os").environ, "PYTHONPATH": str(root)})
+                   env={**os.environ, "PYTHONPATH": str(root)})
     assert [r["id"] for r in ResponseDataset(tmp_path / "late").records] == ["p5", "p6", "p7"]
