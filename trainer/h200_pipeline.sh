@@ -324,10 +324,11 @@ gentau)  # τ through target.generate(assistant_model=...) itself, fp32, GEN_WOR
   wait
   ;;
 ddp)  # trainer/ddp_check.sh on the real target: stage 1 from scratch on 1 GPU (batch DDP_BATCH) and on 2 GPUs (half
-  # each), same seed and steps, then 20 stage-2 steps on 2 GPUs; curves and held-out metrics in $R/ddp_check.json
+  # each), same seed and steps, then 20 stage-2 steps on 2 GPUs; curves and held-out metrics in $R/ddp_check.json.
+  # DDP_DATA (default ~/assets/data): a frozen copy when a `regen` beside it is adding response sets to ~/assets/data
   ready_target
   OUT=$R DDP_TARGET=reference DDP_STEPS=${DDP_STEPS:-300} DDP_BATCH=${DDP_BATCH:-16} DDP_LOG_EVERY=10 \
-    DDP_EVAL_RECORDS=64 timeout ${DDP_SECONDS:-330} bash trainer/ddp_check.sh $A/data > "$L/ddp_check.log" 2>&1 \
+    DDP_EVAL_RECORDS=64 timeout ${DDP_SECONDS:-330} bash trainer/ddp_check.sh ${DDP_DATA:-$A/data} > "$L/ddp_check.log" 2>&1 \
     || log "ddp check stopped: $?"
   tail -5 "$L/ddp_check.log"
   ;;

@@ -72,6 +72,8 @@ class CarryoverTrainer(Trainer):
         if "loss" in logs and self._metric_buf:
             logs.update(_reduce(self._metric_buf, prefix="train_"))
             self._metric_buf.clear()
+            if torch.cuda.is_available():  # sizes the next run's batch: the H200 runs pick it from this
+                logs["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         super().log(logs, *args, **kwargs)
 
     @torch.no_grad()
