@@ -75,21 +75,33 @@ Measured τ depends on the prompt domain and on sampling temperature; speed also
 """
 
 
-def _rows(summary: dict, drafter_key: str) -> list[dict]:
-    return [r for r in summary.get("results", {}).values() if r["drafter"] == drafter_key]
+def _rows(summaries: list[dict], drafter_key: str) -> list[tuple[dict, dict]]:
+    """(summary, row) for every row of the drafter, in file order (e.g. a T=0 file, then a T=1 file)."""
+    return [(s, r) for s in summaries for r in s.get("results", {}).values() if r["drafter"] == drafter_key]
 
 
-def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: dict | None = None,
+def _measured_line(summary: dict) -> str:
+    env = summary.get("environment", {})
+    return (f"Measured with `{summary.get('command', '?')}` at commit `{env.get('commit')}` on "
+            f"{env.get('gpu')}, torch {env.get('torch')}, transformers {env.get('transformers')}; "
+            f"max {summary.get('max_new_tokens')} new tokens, "
+            + ("our batched engine in fp32 (rows advance independently, so τ is batch-1 τ)."
+               if "--engine" in summary.get("command", "") else "batch 1."))
+
+
+def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: dict | list[dict] | None = None,
                      drafter_key: str | None = None, training_text: str = "") -> ModelCard:
-    """Card for the drafter saved in `folder` (its config.json supplies the compatibility facts)."""
+    """Card for the drafter saved in `folder` (its config.json supplies the compatibility facts). `summary`: one
+    results file or several (a run that measured T=0 and T=1 in separate calls); each row keeps its own command."""
+    summaries = [] if summary is None else [summary] if isinstance(summary, dict) else list(summary)
     cfg = json.loads((Path(folder) / "config.json").read_text())
-    rows = _rows(summary, drafter_key) if summary and drafter_key else []
+    rows = _rows(summaries, drafter_key) if drafter_key else []
     evals = []
-    for r in rows:
+    for s, r in rows:
         ds_name, ds_id = DATASETS.get(r["dataset"], (r["dataset"], r["dataset"]))
         evals.append(EvalResult(task_type="text-generation", task_name="speculative decoding",
                                 dataset_type=ds_id, dataset_name=ds_name,
-                                dataset_args={"temperature": r["temperature"], "max_new_tokens": summary.get("max_new_tokens")},
+                                dataset_args={"temperature": r["temperature"], "max_new_tokens": s.get("max_new_tokens")},
                                 metric_type="tau", metric_name=f"τ (mean accepted length), T={r['temperature']:g}",
                                 metric_value=round(r["tau"], 3)))
     data = ModelCardData(base_model=base_model, library_name="transformers", license="apache-2.0",
@@ -97,15 +109,14 @@ def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: 
                          + (["carryover"] if cfg.get("carryover") else []),
                          model_name=name, eval_results=evals or None)
     if rows:
-        env = summary.get("environment", {})
         lines = ["| dataset | T | prompts | draft rounds | τ |", "|---|---|---|---|---|"]
         lines += [f"| {DATASETS.get(r['dataset'], (r['dataset'],))[0]} | {r['temperature']:g} | {r['prompts']} | "
-                  f"{r['rounds']} | {r['tau']:.2f} |" for r in rows]
-        lines.append(f"\nMeasured with `{summary.get('command', '?')}` at commit `{env.get('commit')}` on "
-                     f"{env.get('gpu')}, torch {env.get('torch')}, transformers {env.get('transformers')}; "
-                     f"max {summary.get('max_new_tokens')} new tokens, "
-                     + ("our batched engine in fp32 (rows advance independently, so τ is batch-1 τ)."
-                        if "--engine" in summary.get("command", "") else "batch 1."))
+                  f"{r['rounds']} | {r['tau']:.2f} |" for _, r in rows]
+        used = [s for s in summaries if any(s is u for u, _ in rows)]
+        for s in used:
+            temps = sorted({r["temperature"] for u, r in rows if u is s})
+            lead = "" if len(used) == 1 else "T=" + ", ".join(f"{t:g}" for t in temps) + ": "
+            lines.append(f"\n{lead}{_measured_line(s)}")
         results = "\n".join(lines)
     else:
         results = "Not measured yet."

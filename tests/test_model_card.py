@@ -35,3 +35,21 @@ def test_card_without_results_says_so(tmp_path):
     card = ModelCard.load(path)
     assert not card.data.eval_results
     assert "Not measured yet." in path.read_text()
+
+
+def test_card_from_two_results_files_keeps_each_command(tmp_path):
+    """T=0 and T=1 measured in separate calls: both rows reach the card, each under its own command and commit."""
+    tiny_drafter(tiny_target(), "dflash", carryover=False).save_pretrained(tmp_path)
+
+    def summary(temp, commit, tau):
+        return {"command": f"python examples/evaluate_tau.py --engine --temperatures {temp:g}", "max_new_tokens": 256,
+                "environment": {"commit": commit, "gpu": "NVIDIA H200", "torch": "2.11", "transformers": "5.17"},
+                "results": {f"x|mtbench|T={temp}": {"drafter": "x", "dataset": "mtbench", "temperature": temp,
+                                                    "prompts": 80, "rounds": 900, "tau": tau}}}
+
+    path = write_model_card(tmp_path, name="tiny", repo_id="org/tiny", base_model="org/target",
+                            summary=[summary(0.0, "c0ffee0", 2.25), summary(1.0, "c0ffee1", 1.61)], drafter_key="x")
+    assert [r.metric_value for r in ModelCard.load(path).data.eval_results] == [2.25, 1.61]
+    text = path.read_text()
+    assert "T=0: Measured with `python examples/evaluate_tau.py --engine --temperatures 0`" in text
+    assert "T=1: Measured with" in text and "c0ffee0" in text and "c0ffee1" in text

@@ -4,7 +4,8 @@
 #   stash   carries GGUF part 1 and the regenerated responses to ~/assets
 #   prep    the target alone (joins the GGUF, converts it, writes the bf16 serving folder): for calls that start
 #           phases side by side, e.g. `prep && (stage2 & engine; wait)`
-#   stashinit  carries .init/NAME (a drafter folder) for train1's S1_INIT=NAME: stage 1 continues from it
+#   stashinit  carries .init/NAME (a drafter folder) for train1's S1_INIT=NAME: stage 1 continues from it; and
+#           runs/regen (the regen phase's tar parts), unpacked beside the stashed responses
 #           (S1_INIT=@previous: from this machine's last train1, so that train1 calls chain in one session)
 #   train1  joins the GGUF (md5-checked), converts it, trains stage 1: DFlash on GPU 0, Markov on GPU 1, each
 #           with its LR schedule fitted to S1_MINUTES; returns bf16 stage-1 drafters (insurance)
@@ -46,6 +47,10 @@
 # Fifth run of 2026-11-30 (examples/results/h200-2026-11-30e/): stash; stashinit + vllmstash (.init/dflash-stage1,
 # .vllm/drafters/dflash-baseline); vllmstash (dflash-carryover); prep + tau + engine (T=0 and T=1 compiled rows) in one
 # call; ddp beside gentau; engine (reversed drafters, throughput, HF rows); stash + ddp on a fresh machine (~29 minutes).
+# Sixth run of 2026-11-30 (examples/results/h200-2026-11-30f/): stash; stashinit (.init/dflash-stage1, assets/prompts);
+# prep + (ddp beside regen) with REGEN_SETS="1:1:0 1:2:0 0:0:8000"; TYPES=dflash S1_MINUTES=7 S1_INIT=dflash-stage1
+# TRAIN_EXTRA="--per_device_train_batch_size 24 --learning_rate 8e-4" train1 (21288 responses); stage2 (S2_STEPS=370)
+# + tau (T=0); engine beside tau (T=1); ~28 device-minutes.
 # With drafter weights committed in model_cards/, run `bash trainer/device_tree.sh light` before the calls.
 # Checkpoints: stage2 packs all four drafters in bf16 and queues them as tar parts (DFlash pair first); each call
 # ships the oldest 4 parts.
@@ -126,7 +131,12 @@ stash)
   python3 -c "import torch, transformers, accelerate; print(torch.__version__, transformers.__version__, accelerate.__version__)" | tee -a "$R/gpu.txt"
   log "stashed: $(du -sh $A/part00 | cut -f1) GGUF part, $(cat $A/data/train/*/shard-*.jsonl | wc -l) train responses"
   ;;
-stashinit)  # carries .init/NAME (a bf16 drafter folder, ~24 MB) for train1's S1_INIT, with assets/prompts
+stashinit)  # carries .init/NAME (a bf16 drafter folder, ~24 MB) for train1's S1_INIT, with assets/prompts, and
+  # runs/regen (the regen phase's returned data-*.tgz.part* files, ~7 MB): unpacked into ~/assets/data/train, so
+  # run it after `stash` (which replaces ~/assets/data with runs/data/data)
+  for f in runs/regen/data-*.tgz.partaa; do [ -f "$f" ] || continue
+    mkdir -p "$A/data/train" && cat "${f%aa}"* | tar xzf - -C "$A/data/train" && log "stashed responses $(basename ${f%.tgz.partaa})"
+  done
   for d in .init/*/; do rm -rf "$A/init/$(basename $d)" && mkdir -p "$A/init" && cp -r "$d" "$A/init/" \
     && log "stashed init drafter $(basename $d)"; done
   [ -d assets/prompts ] && rm -rf "$A/prompts" && cp -r assets/prompts "$A/prompts" && log "stashed prompts"

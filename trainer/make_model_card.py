@@ -1,7 +1,7 @@
 """Write the model card (README.md) of a drafter folder from the template and a results file.
 
     python trainer/make_model_card.py --folder model_cards/NAME --drafter_key dflash-carryover \
-        --results examples/results/RUN/tau/summary.json --training_file trainer/configs/card_training.md
+        --results examples/results/RUN/tau/summary.json [T1_SUMMARY] --training_file trainer/configs/card_training.md
 """
 
 import argparse
@@ -17,12 +17,12 @@ def main():
     p.add_argument("--name", help="card title (default: folder name)")
     p.add_argument("--repo_id", help="Hub repo id for the quick start (default: hf-carryover/<name>)")
     p.add_argument("--base_model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
-    p.add_argument("--results", help="summary.json of examples/evaluate_tau.py")
+    p.add_argument("--results", nargs="+", help="summary.json file(s) of examples/evaluate_tau.py (e.g. T=0, then T=1)")
     p.add_argument("--drafter_key", help="drafter name used in the results file")
     p.add_argument("--training_file", help="markdown describing data and procedure")
     args = p.parse_args()
     name = args.name or Path(args.folder).name
-    summary = json.loads(Path(args.results).read_text()) if args.results else None
+    summary = [json.loads(Path(f).read_text()) for f in args.results] if args.results else None
     training = Path(args.training_file).read_text() if args.training_file else ""
     path = write_model_card(args.folder, name=name, repo_id=args.repo_id or f"hf-carryover/{name}",
                             base_model=args.base_model, summary=summary, drafter_key=args.drafter_key,
