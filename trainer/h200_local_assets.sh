@@ -9,6 +9,9 @@
 # The vLLM phases also carry (git-ignored, made by hand): .vllm/bundle from
 # `bash ../shared/tools/make_vllm_bundle.sh .vllm/bundle` (56 MB: a call of its own) and, where this machine has no
 # freshly trained drafter to export, .vllm/drafters/NAME (a bf16 drafter folder, e.g. runs/h200v2/pack/dflash-baseline).
+# Made on the GPU, not here (git-ignored, kept between sessions on this machine): runs/data/data (the 8000 greedy
+# responses, carried by `stash`) and runs/regen/data-*.tgz.part* (the `regen` phase's returned sets, carried and
+# unpacked by `stashinit`); .init/NAME (a stage-1 drafter to continue, from a `train1` call's returned tar parts).
 set -euo pipefail
 PY=${PYTHON:-python3}
 CACHE=${HF_CARRYOVER_CACHE:-$HOME/.cache/hf_carryover}

@@ -299,15 +299,18 @@ regen)  # more training responses (trainer/regenerate.py), REGEN_SETS="T:SEED:ST
   # greedy for the prompts past the first 8000, then two sampled sets over all), set i on GPU i % 2 with REGEN_WORKERS
   # processes each, into ~/assets/data/train/regen-T<T>-s<SEED>; prompts from ~/assets/prompts/sharegpt_train.jsonl
   # (carry assets/prompts made by `trainer/prepare_prompts.py --train 20000`). Each set returns as 15 MB tar parts.
+  # REGEN_DTYPE=float32: the target in fp32 (sets named regen-T<T>-s<SEED>-float32). The 2026-11-30f run found
+  # the drafter scoring higher on bf16 greedy responses than on fp32 ones, while τ is measured in fp32.
   ready_target
   [ -d assets/prompts ] && rm -rf "$A/prompts" && cp -r assets/prompts "$A/prompts"
   log "regen: $(wc -l < $A/prompts/sharegpt_train.jsonl) training prompts"
   i=0
   for spec in ${REGEN_SETS:-1:1:0}; do
-    IFS=: read -r t seed start <<< "$spec"; name=regen-T$t-s$seed; g=$((i % 2)); i=$((i + 1))
+    IFS=: read -r t seed start <<< "$spec"; name=regen-T$t-s$seed${REGEN_DTYPE:+-$REGEN_DTYPE}; g=$((i % 2)); i=$((i + 1))
     ( for w in $(seq 0 $((${REGEN_WORKERS:-4} - 1))); do
         CUDA_VISIBLE_DEVICES=$g timeout ${REGEN_SECONDS:-400} python3 trainer/regenerate.py --prompts $A/prompts/sharegpt_train.jsonl \
           --out $A/data/train/$name --temperature $t --seed $seed --start $start --num_workers ${REGEN_WORKERS:-4} \
+          ${REGEN_DTYPE:+--dtype $REGEN_DTYPE} \
           --worker_index $w > "$L/$name-w$w.log" 2>&1 &
       done; wait
       n=$(find $A/data/train/$name -name "shard-*.jsonl" -exec cat {} + | wc -l)  # w<i>/ folders, or none with one worker
