@@ -63,7 +63,8 @@ def main():
     records = {}
     if args.records:
         records = {r["id"]: r for r in map(json.loads, open(args.records))}
-    engine = SpeculativeEngine(target, drafter, max_len=max(len(r["input_ids"]) for r in rows) + args.max_new_tokens + 40)
+    max_len = max(len(r["input_ids"]) for r in rows) + args.max_new_tokens + 40
+    engine = SpeculativeEngine(target, drafter, max_len=max_len)
     outs = engine.generate([r["input_ids"] for r in rows], max_new_tokens=args.max_new_tokens,
                            eos_token_id=target.generation_config.eos_token_id)
     run_all, run_rounds, accepted, run_rec, per_prompt = [], [], [], [], []

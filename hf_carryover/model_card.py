@@ -101,7 +101,8 @@ def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: 
         ds_name, ds_id = DATASETS.get(r["dataset"], (r["dataset"], r["dataset"]))
         evals.append(EvalResult(task_type="text-generation", task_name="speculative decoding",
                                 dataset_type=ds_id, dataset_name=ds_name,
-                                dataset_args={"temperature": r["temperature"], "max_new_tokens": s.get("max_new_tokens")},
+                                dataset_args={"temperature": r["temperature"],
+                                              "max_new_tokens": s.get("max_new_tokens")},
                                 metric_type="tau", metric_name=f"τ (mean accepted length), T={r['temperature']:g}",
                                 metric_value=round(r["tau"], 3)))
     data = ModelCardData(base_model=base_model, library_name="transformers", license="apache-2.0",
