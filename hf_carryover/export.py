@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-DROPPED_PREFIXES = ("carryover_embedding", "markov_in", "markov_out", "rotary_emb")
+DROPPED_PREFIXES = ("carryover_embedding", "carryover_gate", "markov_in", "markov_out", "rotary_emb")
 
 
 def export_dflash(drafter, out_dir, dtype=torch.bfloat16) -> dict:

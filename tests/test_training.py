@@ -33,10 +33,15 @@ def tiny_target(seed=0, vocab=64, init=0.02):
     return LlamaForCausalLM(cfg).eval()
 
 
-def tiny_drafter(target, typ="dflash", carryover=True, B=4):
+def tiny_drafter(target, typ="dflash", carryover=True, B=4, gate=None):
+    """gate: None, or a carryover gate whose per-layer, per-head biases are drawn around `gate` (so they differ)."""
     torch.manual_seed(1)
-    return Drafter.from_target(target, drafter_type=typ, carryover=carryover, block_size=B, num_hidden_layers=2,
-                               mask_token_id=5)
+    d = Drafter.from_target(target, drafter_type=typ, carryover=carryover, block_size=B, num_hidden_layers=2,
+                            mask_token_id=5, **({} if gate is None else {"carryover_gate": gate}))
+    if gate is not None:
+        with torch.no_grad():
+            d.carryover_gate.add_(torch.randn_like(d.carryover_gate))
+    return d
 
 
 def loop_drafter_mask(anchors, ctx_valid, B, carry_valid=None, k=0, carry_offset=0):
@@ -106,10 +111,11 @@ def _recorded_batch(target, n=6, new=40, seed=0):
     return ResponseCollator(0)([{"id": i, "prompt_len": pl, "input_ids": s} for i, (pl, s) in enumerate(zip(plens, seqs))])
 
 
-@pytest.mark.parametrize("typ,chain", [("dflash", 1), ("markov", 1), ("dflash", 2)])
-def test_loss_decreases_and_every_parameter_changes(typ, chain):
+@pytest.mark.parametrize("typ,chain,gate", [("dflash", 1, None), ("markov", 1, None), ("dflash", 2, None),
+                                           ("dflash", 1, 0.0)])
+def test_loss_decreases_and_every_parameter_changes(typ, chain, gate):
     target = tiny_target(init=0.3)  # a wide embedding: the frozen LM head must be able to express confidence
-    drafter = tiny_drafter(target, typ)
+    drafter = tiny_drafter(target, typ, gate=gate)
     batch = _recorded_batch(target)
     before = {n: p.detach().clone() for n, p in drafter.named_parameters()}
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
@@ -129,15 +135,17 @@ def test_loss_decreases_and_every_parameter_changes(typ, chain):
     assert not unchanged, unchanged
 
 
-@pytest.mark.parametrize("with_eos", [False, True])
+@pytest.mark.parametrize("with_eos,gate", [(False, None), (True, None), (False, 1.0)])
 @pytest.mark.parametrize("typ", ["dflash", "markov"])
-def test_training_carryover_equals_inference_carryover(typ, with_eos):
+def test_training_carryover_equals_inference_carryover(typ, with_eos, gate):
     """fp32: the rejected-row states stage 2 computes for an anchor and its proposal (one verify forward for all
     anchors, block-sparse mask) equal what generate() hands the drafter for the same prefix and proposal.
     with_eos: the EOS is a token the drafter drafts (and the target rejects) mid-sequence, so generate() crops
-    those drafts after it; stage 2's carryover rows must stop there too."""
+    those drafts after it; stage 2's carryover rows must stop there too. gate: a carryover gate (different biases per
+    layer and head), whose key span sits at another offset in training (after the whole recorded context) than in
+    inference (after the drafter's cache)."""
     target = tiny_target(seed=3)
-    drafter = tiny_drafter(target, typ)
+    drafter = tiny_drafter(target, typ, gate=gate)
     drafter.record_carryover = True
     prompt = torch.randint(1, 60, (1, 6), generator=torch.Generator().manual_seed(7))
     eos = None

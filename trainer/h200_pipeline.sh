@@ -202,7 +202,8 @@ stage2)
     # equal steps for the pair, sized from stage 1's measured s/step: a Carryover step costs ~2 stage-1 steps;
     # a pair that time-slices one GPU takes ~3 N s1 for N steps of both, a pair on two GPUs ~2 N s1
     # (0.8 margin, 45 s for load/eval). CARRY_EXTRA adds flags to the Carryover run only (e.g. --carry_chain 2,
-    # which costs more per step: give it S2_STEPS explicitly)
+    # which costs more per step: give it S2_STEPS explicitly; or --carryover_gate -6, the gated variant, with
+    # S2_TAG=-gated to keep it beside an ungated one)
     g0=$i; g1=$i; share=3; [ ${#TYPES[@]} = 1 ] && { g1=1; share=2; }
     [ ${#RUNS[@]} = 1 ] && { g0=${S2_GPU:-$i}; g1=$g0; }
     fit=$(last_fit $init/train_log.json 2>/dev/null || true)

@@ -38,6 +38,9 @@ class ScriptArguments:
     max_eval_records: int | None = field(default=64)
     drafter_type: str = field(default="dflash")
     carryover: bool = field(default=False)
+    carryover_gate: float | None = field(default=None, metadata={
+        "help": "With --carryover true: initial attention-logit bias of the carryover keys (e.g. -6: the gate starts "
+                "almost closed); see DrafterConfig.carryover_gate. None: no gate (or the --init_from drafter's own)."})
     block_size: int = field(default=16)
     num_hidden_layers: int = field(default=5)
     mask_token_id: int | None = field(default=None)
@@ -164,15 +167,17 @@ def build_drafter(script: ScriptArguments, target):
     if script.init_from:
         # fp32 master weights whatever the folder holds: a shipped or packed drafter is bf16, and transformers 5
         # loads it as stored; training it in bf16 would drop Adam's small updates (bf16 autocast computes anyway)
-        drafter = Drafter.from_pretrained(script.init_from, carryover=script.carryover, dtype=torch.float32)
+        gate = {} if script.carryover_gate is None else {"carryover_gate": script.carryover_gate}
+        drafter = Drafter.from_pretrained(script.init_from, carryover=script.carryover, dtype=torch.float32, **gate)
         drafter.bind_target(target)  # fails loudly on a mismatched target
         return drafter
     mask_id = script.mask_token_id
     if mask_id is None and script.target == "reference":
         from hf_carryover.reference import SMOLLM2_MASK_TOKEN_ID as mask_id
+    gate = {} if script.carryover_gate is None else {"carryover_gate": script.carryover_gate}
     return Drafter.from_target(target, drafter_type=script.drafter_type, carryover=script.carryover,
                                block_size=script.block_size, num_hidden_layers=script.num_hidden_layers,
-                               mask_token_id=mask_id).float()
+                               mask_token_id=mask_id, **gate).float()
 
 
 def main(argv=None):

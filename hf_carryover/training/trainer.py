@@ -27,6 +27,10 @@ class CarryoverTrainingArguments(TrainingArguments):
     carry_chain: int = field(default=1, metadata={"help": "Stage 2: chain steps of draft-with-rows -> verify before "
                                                           "the trained drafts (1: rows of a row-free draft only)."})
     attn_backend: str = field(default="sdpa", metadata={"help": "'sdpa' (dense boolean mask) or 'flex'."})
+    carry_gate_lr_multiplier: float = field(default=50.0, metadata={
+        "help": "Stage 2: the carryover gate's learning rate is this multiple of the rest's. The gate is a few dozen "
+                "logit biases that must travel several units within a short run; at the drafter's LR they would "
+                "move ~LR per step (Adam) and never open."})
     max_seq_len: int = field(default=1024, metadata={"help": "Sequences are cut to this many tokens."})
     remove_unused_columns: bool = False
 
@@ -53,6 +57,21 @@ class CarryoverTrainer(Trainer):
         self.target = target.to(self.args.device).eval().requires_grad_(False)
         model.bind_target(self.target)
         self._metric_buf = defaultdict(list)
+
+    def create_optimizer(self, *args, **kwargs):
+        """transformers' optimizer, with the carryover gate (if the drafter has one) in its own parameter group at
+        `carry_gate_lr_multiplier` x the learning rate and no weight decay; the LR schedule scales both groups."""
+        gate = [p for n, p in self.model.named_parameters() if n.endswith("carryover_gate") and p.requires_grad]
+        if self.optimizer is None and gate and self.args.carry_gate_lr_multiplier != 1.0:
+            opt_cls, opt_kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
+            lr = opt_kwargs.pop("lr", self.args.learning_rate)
+            decay = set(self.get_decay_parameter_names(self.model))
+            named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad and not n.endswith("carryover_gate")]
+            groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+                      {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+                      {"params": gate, "weight_decay": 0.0, "lr": lr * self.args.carry_gate_lr_multiplier}]
+            self.optimizer = opt_cls([g for g in groups if g["params"]], lr=lr, **opt_kwargs)
+        return super().create_optimizer(*args, **kwargs)
 
     def _objective(self, model, inputs):
         drafter = self.accelerator.unwrap_model(model)

@@ -68,6 +68,10 @@ class DrafterConfig(PreTrainedConfig):
         markov_rank: r of the Markov head `W2(W1[x_prev])`.
         target_fingerprint: shape facts of the target (see `target_fingerprint`).
         loss_decay_gamma: position weight exp(-(k-1)/gamma) of the training loss (None: 7/5/4 rule of DFlash).
+        carryover_gate: initial value of a learned attention-logit bias on the carryover keys, one per layer and
+            head (e.g. -6: the rows start almost unseen, so stage 2 starts from the baseline drafter's behaviour
+            and opens the gate only where the rows lower the loss). None: no gate, the rows attend like committed
+            context (the drafters of 2026-11; their rows cost τ: examples/results/h200-2026-11-30f).
     """
 
     model_type = "carryover_drafter"
@@ -96,6 +100,7 @@ class DrafterConfig(PreTrainedConfig):
         target_fingerprint: dict | None = None,
         num_target_layers: int | None = None,
         loss_decay_gamma: float | None = None,
+        carryover_gate: float | None = None,
         initializer_range: float = 0.02,
         **kwargs,
     ):
@@ -127,6 +132,7 @@ class DrafterConfig(PreTrainedConfig):
         self.attention_bias = attention_bias
         self.target_fingerprint = target_fingerprint
         self.loss_decay_gamma = loss_decay_gamma
+        self.carryover_gate = None if carryover_gate is None else float(carryover_gate)
         self.initializer_range = initializer_range
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)

@@ -108,9 +108,11 @@ class DrafterAttention(nn.Module):
         k, _ = apply_rotary_pos_emb(k, k, cos, sin)
         return k, v
 
-    def forward(self, hidden, cos, sin, kv_pieces, attn_mask, kv_store=None):
+    def forward(self, hidden, cos, sin, kv_pieces, attn_mask, kv_store=None, key_bias=None):
         """hidden `[b, q, d]`; kv_pieces: list of (k, v) placed before the block's own; attn_mask `[b|1, 1, q, keys]`
-        bool. `kv_store(k, v) -> (k_all, v_all)` lets an external cache keep the new keys (transformers' DFlash)."""
+        bool. `kv_store(k, v) -> (k_all, v_all)` lets an external cache keep the new keys (transformers' DFlash).
+        key_bias: `(bias [heads], start, n)` adds bias[h] to the attention logits of keys start..start+n-1 (the
+        carryover gate); the span is a Python range, so shapes stay static for CUDA graphs."""
         q = self.q_norm(self._heads(self.q_proj(hidden), self.num_heads))
         q, _ = apply_rotary_pos_emb(q, q, cos, sin)
         k_blk, v_blk = self.project_kv(hidden, cos, sin)
@@ -123,7 +125,23 @@ class DrafterAttention(nn.Module):
             # versions check with a host sync (the engine captures this forward in a CUDA graph)
             rep = self.num_heads // self.num_kv_heads
             k, v = (x[:, :, None].expand(-1, -1, rep, -1, -1).flatten(1, 2) for x in (k, v))
-        if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):  # FlexAttention BlockMask (training)
+        if key_bias is not None and key_bias[2] > 0:
+            bias, start, n = key_bias
+            bias = bias.to(q.dtype)
+            if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):  # FlexAttention: a score_mod
+                def gate(score, b, h, q_idx, kv_idx):
+                    return score + torch.where((kv_idx >= start) & (kv_idx < start + n), bias[h], 0.0)
+
+                out = _flex_attention()(q, k, v, score_mod=gate, block_mask=attn_mask)
+            else:  # SDPA: the boolean mask becomes an additive one, [b|1, 1, q|1, keys] -> [b|1, heads, q|1, keys]
+                kv_idx = torch.arange(k.shape[2], device=q.device)
+                in_span = (kv_idx >= start) & (kv_idx < start + n)
+                add = torch.where(in_span, bias[:, None], torch.zeros((), dtype=q.dtype, device=q.device))
+                add = add[None, :, None, :]  # [heads, keys] -> [1, heads, 1, keys]
+                if attn_mask is not None:  # broadcast both: [b|1, heads, q|1, keys]
+                    add = torch.where(attn_mask, add, torch.full((), float("-inf"), dtype=q.dtype, device=q.device))
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=add)
+        elif attn_mask is not None and not isinstance(attn_mask, torch.Tensor):  # FlexAttention BlockMask (training)
             out = _flex_attention()(q, k, v, block_mask=attn_mask)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
@@ -141,8 +159,9 @@ class DrafterLayer(nn.Module):
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = Qwen3MLP(config)
 
-    def forward(self, hidden, cos, sin, kv_pieces, attn_mask, kv_store=None):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_pieces, attn_mask, kv_store)
+    def forward(self, hidden, cos, sin, kv_pieces, attn_mask, kv_store=None, key_bias=None):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_pieces, attn_mask, kv_store,
+                                         key_bias)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -175,6 +194,10 @@ class Drafter(PreTrainedModel):
         self.rotary_emb = Qwen3RotaryEmbedding(config=config)
         self.mask_embedding = nn.Parameter(torch.zeros(d)) if config.learned_mask_embedding else None
         self.carryover_embedding = nn.Parameter(torch.zeros(d)) if config.carryover else None
+        gated = config.carryover and getattr(config, "carryover_gate", None) is not None
+        # [layers, heads]: the carryover keys' attention-logit bias (see DrafterConfig.carryover_gate)
+        self.carryover_gate = (nn.Parameter(torch.full((config.num_hidden_layers, config.num_attention_heads),
+                                                       float(config.carryover_gate))) if gated else None)
         if config.drafter_type == "markov":
             self.markov_in = nn.Embedding(config.vocab_size, config.markov_rank)
             self.markov_out = nn.Linear(config.markov_rank, config.vocab_size, bias=False)
@@ -204,6 +227,8 @@ class Drafter(PreTrainedModel):
                 nn.init.normal_(module.mask_embedding, std=std)
             if module.carryover_embedding is not None:
                 nn.init.zeros_(module.carryover_embedding)
+            if module.carryover_gate is not None:
+                nn.init.constant_(module.carryover_gate, float(module.config.carryover_gate))
 
     @classmethod
     def from_target(cls, target, drafter_type: str = "dflash", carryover: bool = False, **overrides):
@@ -370,9 +395,12 @@ class Drafter(PreTrainedModel):
                 pieces.append((cache.keys[i], cache.values[i]))
             if context is not None:
                 pieces.append(layer.self_attn.project_kv(context, *ctx_cs))
+            key_bias = None
             if carry is not None:
+                if self.carryover_gate is not None:  # the carryover keys follow the cache and context keys
+                    key_bias = (self.carryover_gate[i], sum(kv[0].shape[2] for kv in pieces), carry.shape[1])
                 pieces.append(layer.self_attn.project_kv(carry, *co_cs))
-            hidden = layer(hidden, cos, sin, pieces, attn_mask)
+            hidden = layer(hidden, cos, sin, pieces, attn_mask, key_bias=key_bias)
         return self.norm(hidden)
 
     def _transformers_dflash_forward(self, noise_embeds, context_hidden_states, position_ids, cache=None,
