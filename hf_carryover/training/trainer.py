@@ -66,7 +66,8 @@ class CarryoverTrainer(Trainer):
             opt_cls, opt_kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
             lr = opt_kwargs.pop("lr", self.args.learning_rate)
             decay = set(self.get_decay_parameter_names(self.model))
-            named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad and not n.endswith("carryover_gate")]
+            named = [(n, p) for n, p in self.model.named_parameters()
+                     if p.requires_grad and not n.endswith("carryover_gate")]
             groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
                       {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
                       {"params": gate, "weight_decay": 0.0, "lr": lr * self.args.carry_gate_lr_multiplier}]
