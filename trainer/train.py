@@ -164,17 +164,16 @@ def load_target(script: ScriptArguments):
 
 
 def build_drafter(script: ScriptArguments, target):
+    gate = {} if script.carryover_gate is None else {"carryover_gate": script.carryover_gate}
     if script.init_from:
         # fp32 master weights whatever the folder holds: a shipped or packed drafter is bf16, and transformers 5
         # loads it as stored; training it in bf16 would drop Adam's small updates (bf16 autocast computes anyway)
-        gate = {} if script.carryover_gate is None else {"carryover_gate": script.carryover_gate}
         drafter = Drafter.from_pretrained(script.init_from, carryover=script.carryover, dtype=torch.float32, **gate)
         drafter.bind_target(target)  # fails loudly on a mismatched target
         return drafter
     mask_id = script.mask_token_id
     if mask_id is None and script.target == "reference":
         from hf_carryover.reference import SMOLLM2_MASK_TOKEN_ID as mask_id
-    gate = {} if script.carryover_gate is None else {"carryover_gate": script.carryover_gate}
     return Drafter.from_target(target, drafter_type=script.drafter_type, carryover=script.carryover,
                                block_size=script.block_size, num_hidden_layers=script.num_hidden_layers,
                                mask_token_id=mask_id, **gate).float()

@@ -59,20 +59,22 @@ class CarryoverTrainer(Trainer):
         self._metric_buf = defaultdict(list)
 
     def create_optimizer(self, *args, **kwargs):
-        """transformers' optimizer, with the carryover gate (if the drafter has one) in its own parameter group at
-        `carry_gate_lr_multiplier` x the learning rate and no weight decay; the LR schedule scales both groups."""
-        gate = [p for n, p in self.model.named_parameters() if n.endswith("carryover_gate") and p.requires_grad]
-        if self.optimizer is None and gate and self.args.carry_gate_lr_multiplier != 1.0:
-            opt_cls, opt_kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
-            lr = opt_kwargs.pop("lr", self.args.learning_rate)
-            decay = set(self.get_decay_parameter_names(self.model))
-            named = [(n, p) for n, p in self.model.named_parameters()
-                     if p.requires_grad and not n.endswith("carryover_gate")]
-            groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
-                      {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
-                      {"params": gate, "weight_decay": 0.0, "lr": lr * self.args.carry_gate_lr_multiplier}]
-            self.optimizer = opt_cls([g for g in groups if g["params"]], lr=lr, **opt_kwargs)
-        return super().create_optimizer(*args, **kwargs)
+        """transformers' optimizer, with the carryover gate (if the drafter has one) moved out of its group into
+        one of its own at `carry_gate_lr_multiplier` x that group's learning rate and no weight decay; the LR
+        schedule, built afterwards, scales every group alike."""
+        opt = super().create_optimizer(*args, **kwargs)
+        gate = getattr(self.model, "carryover_gate", None)
+        mult = self.args.carry_gate_lr_multiplier
+        moved = any(g.get("carryover_gate") for g in opt.param_groups)  # a second call finds it done
+        if gate is None or not gate.requires_grad or mult == 1.0 or moved:
+            return opt
+        for group in opt.param_groups:
+            if any(p is gate for p in group["params"]):
+                group["params"] = [p for p in group["params"] if p is not gate]
+                opt.add_param_group({"params": [gate], "lr": group["lr"] * mult, "weight_decay": 0.0,
+                                     "carryover_gate": True})
+                break
+        return opt
 
     def _objective(self, model, inputs):
         drafter = self.accelerator.unwrap_model(model)

@@ -194,7 +194,7 @@ class Drafter(PreTrainedModel):
         self.rotary_emb = Qwen3RotaryEmbedding(config=config)
         self.mask_embedding = nn.Parameter(torch.zeros(d)) if config.learned_mask_embedding else None
         self.carryover_embedding = nn.Parameter(torch.zeros(d)) if config.carryover else None
-        gated = config.carryover and getattr(config, "carryover_gate", None) is not None
+        gated = config.carryover and config.carryover_gate is not None
         # [layers, heads]: the carryover keys' attention-logit bias (see DrafterConfig.carryover_gate)
         self.carryover_gate = (nn.Parameter(torch.full((config.num_hidden_layers, config.num_attention_heads),
                                                        float(config.carryover_gate))) if gated else None)
