@@ -38,12 +38,13 @@ def _tau(acc_lists):
 
 
 def paired(a: dict, b: dict) -> dict:
-    """Per (dataset, temperature) and overall: prompts, pooled τ of each side, mean per-prompt τ difference A - B
+    """Per (dataset, temperature), per temperature and overall: prompts, pooled τ of each side, mean per-prompt τ difference A - B
     and its standard error. Prompts without rounds on either side (no draft round at all) are left out."""
     keys = sorted(k for k in a.keys() & b.keys() if a[k] and b[k])
     groups = defaultdict(list)
     for k in keys:
         groups[f"{k[0]}|T={k[1]}"].append(k)
+        groups[f"all|T={k[1]}"].append(k)  # a pair measured at two temperatures: each on its own, then pooled
     groups["all"] = keys
     out = {}
     for name, ks in groups.items():
@@ -70,9 +71,10 @@ def main(argv=None):
         if missing:
             raise SystemExit(f"--pair {spec}: no records for {missing} in {args.raw} (drafters there: {sorted(runs)})")
         res["pairs"][spec] = paired(runs[a], runs[b])
-        r = res["pairs"][spec]["all"]
-        print(f"{spec}: {r['prompts']} prompts, τ {r['tau_a']:.3f} vs {r['tau_b']:.3f}, per-prompt diff "
-              f"{r['mean_diff']:+.4f} ± {r['se']:.4f} (A better on {r['a_better']}, B on {r['b_better']})")
+        for name, r in res["pairs"][spec].items():
+            if name.startswith("all"):
+                print(f"{spec} [{name}]: {r['prompts']} prompts, τ {r['tau_a']:.3f} vs {r['tau_b']:.3f}, per-prompt "
+                      f"diff {r['mean_diff']:+.4f} ± {r['se']:.4f} (A better on {r['a_better']}, B on {r['b_better']})")
     Path(args.out).write_text(json.dumps(res, indent=2))
 
 

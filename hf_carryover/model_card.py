@@ -90,9 +90,12 @@ def _measured_line(summary: dict) -> str:
 
 
 def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: dict | list[dict] | None = None,
-                     drafter_key: str | None = None, training_text: str = "") -> ModelCard:
+                     drafter_key: str | None = None, training_text: str = "",
+                     sources: list[str] | None = None) -> ModelCard:
     """Card for the drafter saved in `folder` (its config.json supplies the compatibility facts). `summary`: one
-    results file or several (a run that measured T=0 and T=1 in separate calls); each row keeps its own command."""
+    results file or several (a run that measured T=0 and T=1 in separate calls); each row keeps its own command.
+    `sources`: where those files are stored (repository paths); the card names them and `drafter_key`, so every τ on
+    it can be traced to its file (the label a run gave the drafter need not be its folder name)."""
     summaries = [] if summary is None else [summary] if isinstance(summary, dict) else list(summary)
     cfg = json.loads((Path(folder) / "config.json").read_text())
     rows = _rows(summaries, drafter_key) if drafter_key else []
@@ -118,6 +121,9 @@ def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: 
             temps = sorted({r["temperature"] for u, r in rows if u is s})
             lead = "" if len(used) == 1 else "T=" + ", ".join(f"{t:g}" for t in temps) + ": "
             lines.append(f"\n{lead}{_measured_line(s)}")
+        if sources:
+            lines.append("\nResults files (hf_carryover repository): " + ", ".join(f"`{p}`" for p in sources)
+                         + f" (drafter `{drafter_key}`).")
         results = "\n".join(lines)
     else:
         results = "Not measured yet."

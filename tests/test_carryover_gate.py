@@ -116,3 +116,30 @@ def test_gate_trains_at_its_own_learning_rate(tmp_path):
     assert gate == [pytest.approx(4e-2)]
     assert all(lr == pytest.approx(1e-3) for lr, ids in groups if id(drafter.carryover_gate) not in ids)
     assert sum(len(ids) for _, ids in groups) == len([p for p in drafter.parameters() if p.requires_grad])
+
+
+def test_gate_values_script_reads_what_training_left(tmp_path):
+    """examples/carryover_gate_values.py reports the saved gate against its initial value, and refuses an ungated
+    drafter by name."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import carryover_gate_values
+
+    target = tiny_target()
+    gated = tiny_drafter(target, "dflash", gate=-6.0)
+    with torch.no_grad():
+        gated.carryover_gate.fill_(-6.0)
+        gated.carryover_gate[0, 0] = -4.0  # one head opened by 2, one closed by 1
+        gated.carryover_gate[-1, -1] = -7.0
+    gated.save_pretrained(tmp_path / "gated")
+    s = carryover_gate_values.gate_stats(tmp_path / "gated", -6.0)
+    assert s["shape"] == list(gated.carryover_gate.shape)
+    assert (s["heads_opened"], s["heads_closed"], s["largest_opening"]) == (1, 1, pytest.approx(2.0))
+    assert s["max"] == pytest.approx(-4.0) and s["min"] == pytest.approx(-7.0)
+    assert s["mean_move"] == pytest.approx(1.0 / gated.carryover_gate.numel())
+    ungated = tiny_drafter(target, "dflash")
+    ungated.save_pretrained(tmp_path / "plain")
+    with pytest.raises(SystemExit, match="no carryover_gate"):
+        carryover_gate_values.gate_stats(tmp_path / "plain", None)

@@ -53,3 +53,7 @@ def test_card_from_two_results_files_keeps_each_command(tmp_path):
     text = path.read_text()
     assert "T=0: Measured with `python examples/evaluate_tau.py --engine --temperatures 0`" in text
     assert "T=1: Measured with" in text and "c0ffee0" in text and "c0ffee1" in text
+    assert "Results files" not in text  # no sources given: none named
+    path = write_model_card(tmp_path, name="tiny", repo_id="org/tiny", base_model="org/target",
+                            summary=[summary(0.0, "c0ffee0", 2.25)], drafter_key="x", sources=["results/a.json"])
+    assert "Results files (hf_carryover repository): `results/a.json` (drafter `x`)." in path.read_text()

@@ -352,7 +352,15 @@ def test_paired_tau(tmp_path):
     assert r["all"]["prompts"] == 2 and r["all"]["mean_diff"] == pytest.approx(0.25)
     assert r["all"]["se"] == pytest.approx(0.75)  # diffs +1 and -0.5: sd 1.0607, / sqrt(2)
     assert r["all"]["tau_a"] == pytest.approx(5 / 3) and r["all"]["tau_b"] == pytest.approx(5 / 4)
-    assert (r["all"]["a_better"], r["all"]["b_better"]) == (1, 1) and set(r) == {"d|T=0.0", "all"}
+    assert (r["all"]["a_better"], r["all"]["b_better"]) == (1, 1) and set(r) == {"d|T=0.0", "all|T=0.0", "all"}
+    # a second temperature: each temperature on its own beside the pooled group
+    with raw.open("a") as f:
+        for n, acc in (("a", [0]), ("b", [3])):  # τ 1 vs 4 at T=1
+            f.write(json.dumps({"drafter": n, "dataset": "d", "temperature": 1.0, "id": 1, "accepted": acc}) + "\n")
+    paired_tau.main(["--raw", str(raw), "--pair", "a:b", "--out", str(out)])
+    r = json.loads(out.read_text())["pairs"]["a:b"]
+    assert r["all|T=0.0"]["mean_diff"] == pytest.approx(0.25) and r["all|T=1.0"]["mean_diff"] == pytest.approx(-3)
+    assert r["all"]["prompts"] == 3 and r["all"]["mean_diff"] == pytest.approx((1 - 0.5 - 3) / 3)
     with pytest.raises(SystemExit, match="no records for"):
         paired_tau.main(["--raw", str(raw), "--pair", "a:zz", "--out", str(out)])
 

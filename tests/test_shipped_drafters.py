@@ -3,6 +3,7 @@ a stored results file (no hand-typed numbers)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,11 +44,14 @@ def test_card_tau_comes_from_a_results_file(folder):
     meta = yaml.safe_load(text.split("---")[1])
     assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     card = sorted(m["value"] for r in meta["model-index"][0]["results"] for m in r["metrics"] if m["type"] == "tau")
-    key = folder.name.removeprefix("smollm2-135m-instruct-")
-    key = key if key.endswith("-carryover") else key + "-baseline"
+    # the card names its results files and the drafter's label in them (make_model_card.py --results --drafter_key)
+    found = re.search(r"Results files \(hf_carryover repository\): (.+) \(drafter `([^`]+)`\)\.", text)
+    assert found, "the card does not name its results files: regenerate it with trainer/make_model_card.py"
+    files, key = re.findall(r"`([^`]+)`", found.group(1)), found.group(2)
     stored = set()
-    for f in (ROOT / "examples" / "results").glob("*/tau_engine_*.json"):
-        for r in json.loads(f.read_text())["results"].values():
+    for f in files:
+        assert (ROOT / f).exists(), f"{folder.name}'s card names {f}, which is not in the repository"
+        for r in json.loads((ROOT / f).read_text())["results"].values():
             if r["drafter"] == key:
                 stored.add(round(r["tau"], 3))
     assert len(card) == 6 and set(card) <= stored, (card, sorted(stored))

@@ -51,6 +51,10 @@
 # prep + (ddp beside regen) with REGEN_SETS="1:1:0 1:2:0 0:0:8000"; TYPES=dflash S1_MINUTES=7 S1_INIT=dflash-stage1
 # TRAIN_EXTRA="--per_device_train_batch_size 24 --learning_rate 8e-4" train1 (21288 responses); stage2 (S2_STEPS=370)
 # + tau (T=0); engine beside tau (T=1); ~28 device-minutes.
+# Seventh run of 2026-11-30 (examples/results/h200-2026-11-30g/): stash; stashinit + vllmstash (.init/dflash-stage1,
+# .vllm/drafters/dflash-baseline, runs/regen); prep + two gated stage2 phases side by side (S2_INIT=dflash-stage1
+# S2_RUNS=carryover S2_GPU=0/1, CARRY_EXTRA="--carryover_gate -6" / "-3") + tau; three engine calls (one beside a T=1
+# tau); a 600-step stage2 pair + tau; ~25 device-minutes.
 # With drafter weights committed in model_cards/, run `bash trainer/device_tree.sh light` before the calls.
 # Checkpoints: stage2 packs all four drafters in bf16 and queues them as tar parts (DFlash pair first); each call
 # ships the oldest 4 parts.
@@ -111,9 +115,15 @@ PY
     tar cf - -C $A/pack $r | split -b 15M - "$A/outbox/q$(printf %03d $n)-ckpt-$r.tar.part"
   done
 }
-ship() {  # moves the oldest queued parts to $OUT: 4 x 15 MB a call (the limit is 64 MB); the rest wait
+ship() {  # ship [N [RUN...]]: moves the oldest queued parts (of RUN... only, if named) to $OUT, N (4) x 15 MB a call
+  # (the limit is 64 MB); the rest wait. Two stage2 phases side by side name their runs, so neither takes the other's
+  local n=${1:-4}; shift || true; local only=" $* "
   mkdir -p $A/shipped
-  for f in $(ls $A/outbox 2>/dev/null | sort | head -${1:-4}); do cp $A/outbox/$f "$OUT/" && mv $A/outbox/$f $A/shipped/; done
+  for f in $(ls $A/outbox 2>/dev/null | sort); do
+    r=${f#q???-ckpt-}; r=${r%.tar.part*}; [ "$only" = "  " ] || [[ $only == *" $r "* ]] || continue
+    [ $n -gt 0 ] || break; n=$((n - 1))
+    cp $A/outbox/$f "$OUT/" && mv $A/outbox/$f $A/shipped/
+  done
   log "shipped: $(ls $OUT | grep part | tr '\n' ' '); still queued: $(ls $A/outbox | wc -l)"
 }
 
@@ -234,7 +244,7 @@ stage2)
   done; done
   flush
   for r in $P; do rm -f $A/outbox/*-ckpt-$r.tar.part*; done  # this call's runs only: a stage2 phase beside
-  pack $P && ship                                              # another keeps the other's queued parts
+  pack $P && ship 4 $P                                         # another keeps the other's queued parts
   log "stage 2 done"
   ;;
 eval)
@@ -270,12 +280,16 @@ eval)
 tau)  # τ of the four drafters at T=0 and T=1 through the batched engine (fp32), one drafter pair per GPU.
   # The engine's greedy rounds equal generate()'s (tested, round for round since the 2026-11-30d budget rule) and the offline
   # replay's (checked on the H200: 1.373 both, DFlash baseline, MT-Bench); ~4 minutes for 4 x 344 prompts x 2 T.
+  # Each call writes its own folders, tau_engine_<group>-<HHMMSS>: a later tau call on the same warm machine would
+  # otherwise append to the same raw file, and the folder's summary would name only the last call's command (as the
+  # 2026-11-30g summaries did; that folder's README says which call measured what).
+  stamp=$(date +%H%M%S)
   tau_run() {  # tau_run GPU NAME DRAFTER...
     local g=$1 n=$2; shift 2
     local tv=TAU_TEMPS_G$g; local temps=${!tv:-${TAU_TEMPS:-0 1}}  # per GPU (TAU_TEMPS_G0), else for both
     CUDA_VISIBLE_DEVICES=$g timeout ${TAU_SECONDS:-250} python3 examples/evaluate_tau.py --prompts_dir $A/prompts \
       --dtype float32 --engine --engine_batch 128 --drafters "$@" --datasets mtbench humaneval sharegpt \
-      --temperatures $temps ${TAU_EXTRA:-} --out $R/tau_engine_$n > $R/tau_engine_$n.log 2>&1
+      --temperatures $temps ${TAU_EXTRA:-} --out $R/tau_engine_$n-$stamp > $R/tau_engine_$n-$stamp.log 2>&1
   }
   # groups "NAME:drafter...": one type -> one drafter per GPU; two types -> one pair per GPU. TAU_G0 / TAU_G1 instead
   # name the entries of GPU 0 / GPU 1 themselves: LABEL=RUN[,config=value], RUN from runs/RUN/final or else the
@@ -293,7 +307,7 @@ tau)  # τ of the four drafters at T=0 and T=1 through the batched engine (fp32)
   done
   wait
   for g in "${groups[@]}"; do D=""; for e in ${g#*:}; do D="$D ${e%%=*}=x"; done
-    python3 examples/evaluate_tau.py --out $R/tau_engine_${g%%:*} --summarize_only --drafters $D | tail -8 || true
+    python3 examples/evaluate_tau.py --out $R/tau_engine_${g%%:*}-$stamp --summarize_only --drafters $D | tail -8 || true
   done
   ;;
 regen)  # more training responses (trainer/regenerate.py), REGEN_SETS="T:SEED:START ..." (e.g. "0:0:8000 1:1:0 1:2:0":

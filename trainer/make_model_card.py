@@ -26,7 +26,7 @@ def main():
     training = Path(args.training_file).read_text() if args.training_file else ""
     path = write_model_card(args.folder, name=name, repo_id=args.repo_id or f"hf-carryover/{name}",
                             base_model=args.base_model, summary=summary, drafter_key=args.drafter_key,
-                            training_text=training)
+                            training_text=training, sources=args.results)
     print(f"wrote {path}")
 
 
