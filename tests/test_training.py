@@ -381,3 +381,16 @@ def test_sampled_response_sets(tmp_path):
                     "--max_new_tokens", "4", "--temperature", "1", "--seed", "3"], check=True, capture_output=True,
                    env={**os.environ, "PYTHONPATH": str(root)})
     assert [r["id"] for r in ResponseDataset(tmp_path / "late").records] == ["p5", "p6", "p7"]
+
+
+def test_response_dataset_reads_several_folders_and_names_a_missing_one(tmp_path):
+    """Comma-separated roots: a training set that swaps one response set for another shares the rest; a typo in one
+    root must not silently drop its data."""
+    for name, ids in (("a/w0", ["a1", "a2"]), ("b", ["b1"])):
+        (tmp_path / name).mkdir(parents=True)
+        (tmp_path / name / "shard-00000.jsonl").write_text(
+            "".join(json.dumps({"id": i, "prompt_len": 2, "input_ids": [1, 2, 3, 4]}) + "\n" for i in ids))
+    both = ResponseDataset(f"{tmp_path / 'a'},{tmp_path / 'b'}")
+    assert [r["id"] for r in both.records] == ["a1", "a2", "b1"]
+    with pytest.raises(ValueError, match="not found.*nope"):
+        ResponseDataset(f"{tmp_path / 'a'},{tmp_path / 'nope'}")

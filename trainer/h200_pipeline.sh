@@ -145,7 +145,8 @@ stashinit)  # carries .init/NAME (a bf16 drafter folder, ~24 MB) for train1's S1
   # runs/regen (the regen phase's returned data-*.tgz.part* files, ~7 MB): unpacked into ~/assets/data/train, so
   # run it after `stash` (which replaces ~/assets/data with runs/data/data)
   for f in runs/regen/data-*.tgz.partaa; do [ -f "$f" ] || continue
-    mkdir -p "$A/data/train" && cat "${f%aa}"* | tar xzf - -C "$A/data/train" && log "stashed responses $(basename ${f%.tgz.partaa})"
+    D=$A/data/train; [[ $f == *-float32.tgz.partaa ]] && D=$A/data/train_float32  # as `regen` keeps them
+    mkdir -p "$D" && cat "${f%aa}"* | tar xzf - -C "$D" && log "stashed responses $(basename ${f%.tgz.partaa}) in $D"
   done
   for d in .init/*/; do rm -rf "$A/init/$(basename $d)" && mkdir -p "$A/init" && cp -r "$d" "$A/init/" \
     && log "stashed init drafter $(basename $d)"; done
@@ -167,14 +168,30 @@ train1)
   fi
   python3 -c "from hf_carryover.reference import reference_target as r; r()" 2>&1 | tail -2
   log "target converted"
-  if [ ${#TYPES[@]} = 1 ]; then  # one type, both GPUs: data-parallel stage 1 (global batch 2 x per-device)
-    typ=${TYPES[0]}; L1=""; [ "$typ" = markov ] && L1="--l1_weight 0.9"
+  S1_RUNS_DONE=()  # the stage-1 runs of this call, runs/<name>
+  if [ -n "${S1_ARMS:-}" ]; then  # one type, two training sets, one GPU each, equal steps: an A/B of the data
+    # S1_ARMS="NAME=DIRS NAME=DIRS", DIRS comma-separated under ~/assets/data (e.g. "bf16=train
+    # fp32=train_float32,train/regen-T1-s1,train/regen-T1-s2"); S1_STEPS steps each on one cosine schedule (give it:
+    # a time-fitted schedule would give the arms different steps), S1_MINUTES a safety cap; runs/TYPE-stage1-NAME.
+    [ ${#TYPES[@]} = 1 ] && [ -n "${S1_STEPS:-}" ] || { log "S1_ARMS needs one type (TYPES=dflash) and S1_STEPS"; exit 2; }
+    typ=${TYPES[0]}; L1=""; [ "$typ" = markov ] && L1="--l1_weight 0.9"; i=0
+    for arm in $S1_ARMS; do
+      name=$typ-stage1-${arm%%=*}; dirs=""; IFS=, read -ra parts <<< "${arm#*=}"
+      for d in "${parts[@]}"; do dirs="$dirs${dirs:+,}$A/data/$d"; done
+      log "$name on GPU $i: $S1_STEPS steps on $dirs ($(find ${dirs//,/ } -name 'shard-*.jsonl' -exec cat {} + | wc -l) responses)"
+      CUDA_VISIBLE_DEVICES=$i python3 trainer/train.py --config trainer/configs/smollm2_stage1.json \
+        --drafter_type $typ $L1 --data_dir $dirs --eval_data_dir $A/data/eval --output_dir $A/runs/$name \
+        --max_steps $S1_STEPS --max_minutes $S1_MINUTES $INIT ${TRAIN_EXTRA:-} > "$L/train_$name.log" 2>&1 &
+      S1_RUNS_DONE+=($name); i=$((i + 1))
+    done
+  elif [ ${#TYPES[@]} = 1 ]; then  # one type, both GPUs: data-parallel stage 1 (global batch 2 x per-device)
+    typ=${TYPES[0]}; L1=""; [ "$typ" = markov ] && L1="--l1_weight 0.9"; S1_RUNS_DONE=($typ-stage1)
     accelerate launch --num_processes 2 ${DDP_FLAGS:---multi_gpu} --main_process_port 29511 trainer/train.py \
       --config trainer/configs/smollm2_stage1.json --drafter_type $typ $L1 --data_dir $A/data/train \
       --eval_data_dir $A/data/eval --output_dir $A/runs/$typ-stage1 --max_steps 20000 --max_minutes $S1_MINUTES \
       --fit_schedule_to_time true $INIT ${TRAIN_EXTRA:-} > "$L/train_$typ-stage1.log" 2>&1 &
   else for i in 0 1; do
-    typ=${TYPES[$i]}
+    typ=${TYPES[$i]}; S1_RUNS_DONE+=($typ-stage1)
     L1=""; [ "$typ" = markov ] && L1="--l1_weight 0.9"  # DSpark: 0.1 CE + 0.9 ||p_draft - p_target||_1
     CUDA_VISIBLE_DEVICES=$i python3 trainer/train.py --config trainer/configs/smollm2_stage1.json \
       --drafter_type $typ $L1 --data_dir $A/data/train --eval_data_dir $A/data/eval \
@@ -183,15 +200,17 @@ train1)
   done; fi
   wait
   flush
-  for typ in "${TYPES[@]}"; do
-    cp $A/runs/$typ-stage1/final/eval_metrics.json "$L/eval_$typ-stage1.json" || true
-    cp $A/runs/$typ-stage1/final/train_log.json "$L/trainlog_$typ-stage1.json" || true
-    fit=$(last_fit $L/trainlog_$typ-stage1.json || true)
+  for r in "${S1_RUNS_DONE[@]}"; do
+    cp $A/runs/$r/final/eval_metrics.json "$L/eval_$r.json" || true
+    cp $A/runs/$r/final/train_log.json "$L/trainlog_$r.json" || true
+    fit=$(last_fit $L/trainlog_$r.json || true)
     msg="no schedule fit"; [ -n "$fit" ] && msg="schedule fitted to ${fit% *} steps at ${fit#* } s/step"
-    log "$typ stage 1: $msg"
-    log "$typ stage 1 eval: $(tr -d '\n ' < $L/eval_$typ-stage1.json | head -c 400)"
+    log "$r: $msg; $(grep -o '"step": [0-9]*' $L/trainlog_$r.json | tail -1)"
+    log "$r eval: $(tr -d '\n ' < $L/eval_$r.json | head -c 400)"
   done
-  pack dflash-stage1 && ship  # insurance; the Markov drafter (75 MB with its r=256 head) stays behind
+  # insurance; the Markov drafter (75 MB with its r=256 head) stays behind
+  P=$(printf '%s\n' "${S1_RUNS_DONE[@]}" | grep '^dflash' | tr '\n' ' ')
+  [ -n "$P" ] && pack $P && ship 4 $P
   log "stage 1 done"; flush
   ;;
 prep)  # the target only: joins the GGUF (carry .device/p2, .whl) and converts it, plus the bf16 serving folder, so
@@ -319,18 +338,24 @@ regen)  # more training responses (trainer/regenerate.py), REGEN_SETS="T:SEED:ST
   ready_target
   [ -d assets/prompts ] && rm -rf "$A/prompts" && cp -r assets/prompts "$A/prompts"
   log "regen: $(wc -l < $A/prompts/sharegpt_train.jsonl) training prompts"
+  # REGEN_DTYPE sets go to ~/assets/data/train_<dtype>/, outside the default training folder, so that a training run
+  # takes them only when named (train1's S1_ARMS). REGEN_GPUS="0 1": one set's workers alternate over both GPUs
+  # (default: set i on GPU i % 2).
+  D=$A/data/train${REGEN_DTYPE:+_$REGEN_DTYPE}; mkdir -p $D
   i=0
   for spec in ${REGEN_SETS:-1:1:0}; do
     IFS=: read -r t seed start <<< "$spec"; name=regen-T$t-s$seed${REGEN_DTYPE:+-$REGEN_DTYPE}; g=$((i % 2)); i=$((i + 1))
+    gpus=(${REGEN_GPUS:-$g})
     ( for w in $(seq 0 $((${REGEN_WORKERS:-4} - 1))); do
-        CUDA_VISIBLE_DEVICES=$g timeout ${REGEN_SECONDS:-400} python3 trainer/regenerate.py --prompts $A/prompts/sharegpt_train.jsonl \
-          --out $A/data/train/$name --temperature $t --seed $seed --start $start --num_workers ${REGEN_WORKERS:-4} \
+        CUDA_VISIBLE_DEVICES=${gpus[$((w % ${#gpus[@]}))]} timeout ${REGEN_SECONDS:-400} python3 trainer/regenerate.py \
+          --prompts $A/prompts/sharegpt_train.jsonl \
+          --out $D/$name --temperature $t --seed $seed --start $start --num_workers ${REGEN_WORKERS:-4} \
           ${REGEN_DTYPE:+--dtype $REGEN_DTYPE} \
           --worker_index $w > "$L/$name-w$w.log" 2>&1 &
       done; wait
-      n=$(find $A/data/train/$name -name "shard-*.jsonl" -exec cat {} + | wc -l)  # w<i>/ folders, or none with one worker
-      log "$name: $n responses"
-      tar czf - -C $A/data/train $name | split -b 15M - "$OUT/data-$name.tgz.part" ) &
+      n=$(find $D/$name -name "shard-*.jsonl" -exec cat {} + | wc -l)  # w<i>/ folders, or none with one worker
+      log "$name: $n responses (in $D)"
+      tar czf - -C $D $name | split -b 15M - "$OUT/data-$name.tgz.part" ) &
   done
   wait
   ;;

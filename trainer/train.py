@@ -32,7 +32,7 @@ from hf_carryover.training.trainer import CarryoverTrainer, CarryoverTrainingArg
 class ScriptArguments:
     target: str = field(default="reference", metadata={"help": "'reference' (SmolLM2-135M-Instruct) or a model folder."})
     target_dtype: str = field(default="bfloat16", metadata={"help": "dtype of the frozen target."})
-    data_dir: str = field(default="data/train", metadata={"help": "Folder of response shards."})
+    data_dir: str = field(default="data/train", metadata={"help": "Folder of response shards (several: comma-separated)."})
     eval_data_dir: str | None = field(default=None, metadata={"help": "Folder of held-out response shards."})
     max_train_records: int | None = field(default=None)
     max_eval_records: int | None = field(default=64)

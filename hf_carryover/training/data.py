@@ -78,15 +78,22 @@ def regenerate_responses(target, prompts, out_dir, *, max_new_tokens=256, batch_
 
 
 class ResponseDataset(Dataset):
-    """Records of all `shard-*.jsonl` files under `root` (optionally filtered by id)."""
+    """Records of all `shard-*.jsonl` files under `root` (optionally filtered by id). `root` may name several folders
+    separated by commas ("data/train/w0,data/regen-fp32"): training sets that differ in one response set (e.g.
+    greedy responses regenerated in bf16 against fp32) share the others without copying them."""
 
     def __init__(self, root, keep=None, max_records=None):
         self.records = []
-        for path in sorted(Path(root).rglob("shard-*.jsonl")):
-            for line in path.read_text().splitlines():
-                rec = json.loads(line)
-                if len(rec["input_ids"]) - rec["prompt_len"] >= 2 and (keep is None or keep(rec["id"])):
-                    self.records.append(rec)
+        roots = [Path(r) for r in str(root).split(",") if r]
+        missing = [str(r) for r in roots if not r.is_dir()]
+        if missing:
+            raise ValueError(f"Training data folder(s) not found: {missing} (from {root!r}).")
+        for r in roots:
+            for path in sorted(r.rglob("shard-*.jsonl")):
+                for line in path.read_text().splitlines():
+                    rec = json.loads(line)
+                    if len(rec["input_ids"]) - rec["prompt_len"] >= 2 and (keep is None or keep(rec["id"])):
+                        self.records.append(rec)
         if max_records is not None:
             self.records = self.records[:max_records]
         if not self.records:
