@@ -40,6 +40,8 @@ def test_benchmark_script_tiny(tmp_path):
     assert {"hf_eager", "hf_prompt_lookup", "hf_spec:m", "engine_ar@1", "engine_ar@3", "engine:m@1", "engine:m@3",
             "hf_own_dflash:m"} <= methods
     assert all(r["tokens"] == 36 for r in summary["results"])  # 3 prompts x 12 tokens, eos never hit
+    # each row's whole cost (warm-up and first-use build included) is at least its timed part
+    assert all(r["row_wall_s"] >= round(r["seconds"], 1) - 0.1 for r in summary["results"]), summary["results"]
     by = {r["method"]: r for r in summary["results"]}
     # transformers' own DFlash loop records no rounds: its τ comes from counting target forwards, and for a
     # drafter without Carryover it must equal our loop's recorded τ (the two accept the same tokens per round)
