@@ -209,7 +209,7 @@ train1)
     log "$r eval: $(tr -d '\n ' < $L/eval_$r.json | head -c 400)"
   done
   # insurance; the Markov drafter (75 MB with its r=256 head) stays behind
-  P=$(printf '%s\n' "${S1_RUNS_DONE[@]}" | grep '^dflash' | tr '\n' ' ')
+  P=$(printf '%s\n' "${S1_RUNS_DONE[@]}" | grep '^dflash' | tr '\n' ' ' || true)  # none with TYPES=markov
   [ -n "$P" ] && pack $P && ship 4 $P
   log "stage 1 done"; flush
   ;;
