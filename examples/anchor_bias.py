@@ -11,7 +11,10 @@ training-time parallel drafter forward proposes at *every* anchor. Prints the me
 proposals at all anchors and at the anchors where rounds started (for a drafter without Carryover the latter
 must equal the engine's mean accepted count, up to rounds cut by max_new_tokens: a consistency check). With
 `--records` (a response shard, e.g. the held-out `data/eval/shard-00000.jsonl` training evaluates on), it also
-scores every anchor of the recorded response of the same prompt id: the text training's held-out metric reads.
+scores every anchor of the recorded response of the same prompt id: the text training's held-out metric reads;
+there it also counts the run a verifier in the loaded dtype would accept (a proposal only where the target's own
+argmax names it too) and how many recorded tokens are not that argmax. If the recorded text's advantage survives
+the verifier's labels, it is the text (easier continuations), not its bf16 near-tie choices.
 
     python examples/anchor_bias.py --drafter DRAFTER_FOLDER --prompts assets/prompts/sharegpt.jsonl --limit 8 \
         --records runs/data/data/eval/shard-00000.jsonl
@@ -26,8 +29,12 @@ import statistics
 import torch
 
 
-def leading_runs(target, drafter, ids: list[int], plen: int) -> torch.Tensor:
-    """Leading correct proposals `[N]` at every response anchor of `ids` (prompt + response), teacher-forced."""
+def leading_runs(target, drafter, ids: list[int], plen: int):
+    """Teacher-forced at every response anchor of `ids` (prompt + response): the leading correct proposals `[N]`,
+    the same run counting a proposal only where the loaded target's own argmax also names that token (what a
+    verifier in the target's dtype would accept while the drafter follows this text) `[N]`, and the fraction of
+    response tokens that differ from the target's argmax at their position (0 for the target's own greedy text, up to
+    numerics; the share of a bf16-decoded text where fp32 would have chosen otherwise)."""
     from hf_carryover.training.objectives import block_targets, draft_blocks, greedy_proposals, target_pass
 
     x = torch.tensor([ids])  # [1, L]
@@ -35,12 +42,40 @@ def leading_runs(target, drafter, ids: list[int], plen: int) -> torch.Tensor:
     valid = torch.ones(1, L, dtype=torch.bool)
     anchors = torch.arange(plen, L - 1)[None]  # every response position that has a next token
     with torch.no_grad():
-        feats, _ = target_pass(target, drafter, x, valid, need_logits=False)
+        feats, logits = target_pass(target, drafter, x, valid, need_logits=True)
         hidden = draft_blocks(drafter, drafter, x, feats, valid, anchors)
         props = greedy_proposals(drafter, hidden, x.gather(1, anchors))  # [1, N, P]
-    labels, ok, _, _ = block_targets(x, torch.tensor([L]), anchors, torch.ones_like(anchors, dtype=torch.bool),
-                                     drafter.config.num_proposals)
-    return torch.cumprod(((props == labels) & ok).long(), -1).sum(-1)[0]
+    agree = torch.ones(1, L, dtype=torch.bool)
+    agree[:, 1:] = logits[:, :-1].argmax(-1) == x[:, 1:]  # token t is the target's argmax after tokens < t
+    labels, ok, _, pos = block_targets(x, torch.tensor([L]), anchors, torch.ones_like(anchors, dtype=torch.bool),
+                                       drafter.config.num_proposals)
+    hit = (props == labels) & ok
+    verified = hit & agree.gather(1, pos.clamp(max=L - 1).flatten(1)).view_as(pos)
+    run = torch.cumprod(hit.long(), -1).sum(-1)[0]
+    run_verified = torch.cumprod(verified.long(), -1).sum(-1)[0]
+    return run, run_verified, 1 - agree[0, plen:].float().mean().item()
+
+
+def repeated_ngram_share(tokens: list[int], n: int = 4) -> float:
+    """Share of a response's n-grams that already occurred earlier in it: a text that loops is easy to draft, so a
+    difference in this between two texts is a difference in how easy they are, not in the drafter."""
+    seen, rep = set(), 0
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    for g in grams:
+        rep += g in seen
+        seen.add(g)
+    return rep / len(grams) if grams else 0.0
+
+
+def ngram_hashes(tokens: list[int], n: int = 8) -> set[int]:
+    return {hash(tuple(tokens[i : i + n])) for i in range(len(tokens) - n + 1)}
+
+
+def familiar_share(tokens: list[int], known: set[int], n: int = 8) -> float:
+    """Share of a response's n-grams that occur somewhere in the training responses: how much of the text the drafter
+    has seen verbatim in training (a drafter predicts a familiar text better than a new one of the same kind)."""
+    grams = [hash(tuple(tokens[i : i + n])) for i in range(len(tokens) - n + 1)]
+    return sum(g in known for g in grams) / len(grams) if grams else 0.0
 
 
 def main():
@@ -50,6 +85,8 @@ def main():
     p.add_argument("--limit", type=int, default=8)
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--records", help="response shard with the same prompt ids (e.g. the held-out eval shard)")
+    p.add_argument("--train_data", help="training response folders (comma-separated): report the share of each "
+                   "text's 8-grams found in them")
     args = p.parse_args()
 
     from hf_carryover import Drafter
@@ -63,14 +100,21 @@ def main():
     records = {}
     if args.records:
         records = {r["id"]: r for r in map(json.loads, open(args.records))}
+    known = None
+    if args.train_data:
+        from hf_carryover.training.data import ResponseDataset
+
+        known = set()
+        for rec in ResponseDataset(args.train_data).records:
+            known |= ngram_hashes(rec["input_ids"][rec["prompt_len"]:])
     max_len = max(len(r["input_ids"]) for r in rows) + args.max_new_tokens + 40
     engine = SpeculativeEngine(target, drafter, max_len=max_len)
     outs = engine.generate([r["input_ids"] for r in rows], max_new_tokens=args.max_new_tokens,
                            eos_token_id=target.generation_config.eos_token_id)
-    run_all, run_rounds, accepted, run_rec, per_prompt = [], [], [], [], []
+    run_all, run_rounds, accepted, run_rec, run_rec_verified, per_prompt = [], [], [], [], [], []
     for r, out, rounds in zip(rows, outs, engine.rounds):
         plen = len(r["input_ids"])
-        run = leading_runs(target, drafter, r["input_ids"] + out, plen)
+        run, _, disagree = leading_runs(target, drafter, r["input_ids"] + out, plen)
         starts, t = [], plen
         for a in rounds:
             starts.append(t - plen)
@@ -78,15 +122,24 @@ def main():
         run_all += run.tolist()
         run_rounds += run[torch.tensor([s for s in starts if s < run.numel()])].tolist()
         accepted += rounds
-        row = {"id": r["id"], "fp32_response_tokens": len(out), "run_fp32_text": run.float().mean().item()}
+        row = {"id": r["id"], "fp32_response_tokens": len(out), "run_fp32_text": run.float().mean().item(),
+               "fp32_text_not_argmax": disagree, "fp32_text_repeated_4grams": repeated_ngram_share(out)}
+        if known is not None:
+            row["fp32_text_familiar_8grams"] = familiar_share(out, known)
         rec = records.get(r["id"])
         if rec is not None and rec["input_ids"][: rec["prompt_len"]] == r["input_ids"]:
             rec_resp = rec["input_ids"][rec["prompt_len"]:][: args.max_new_tokens]
-            rr = leading_runs(target, drafter, r["input_ids"] + rec_resp, plen)
+            rr, rr_verified, rec_disagree = leading_runs(target, drafter, r["input_ids"] + rec_resp, plen)
             run_rec += rr.tolist()
+            run_rec_verified += rr_verified.tolist()
             common = next((i for i, (a, b) in enumerate(zip(out, rec_resp)) if a != b), min(len(out), len(rec_resp)))
             row.update(recorded_response_tokens=len(rec_resp), common_prefix_tokens=common,
-                       run_recorded_text=rr.float().mean().item())
+                       run_recorded_text=rr.float().mean().item(),
+                       run_recorded_text_target_verified=rr_verified.float().mean().item(),
+                       recorded_text_not_argmax=rec_disagree,
+                       recorded_text_repeated_4grams=repeated_ngram_share(rec_resp))
+            if known is not None:
+                row["recorded_text_familiar_8grams"] = familiar_share(rec_resp, known)
         per_prompt.append(row)
         print(json.dumps(row), flush=True)
     summary = {"drafter": args.drafter, "prompts": len(rows), "max_new_tokens": args.max_new_tokens,
@@ -97,8 +150,17 @@ def main():
         with_rec = [x for x in per_prompt if "run_recorded_text" in x]
         summary.update(records=args.records, prompts_with_records=len(with_rec),
                        teacher_forced_run_all_anchors_recorded_text=statistics.mean(run_rec),
+                       # the same text, a proposal counted only where the loaded target's argmax names it too
+                       teacher_forced_run_recorded_text_target_verified=statistics.mean(run_rec_verified),
+                       recorded_text_not_argmax=statistics.mean(x["recorded_text_not_argmax"] for x in with_rec),
+                       recorded_text_repeated_4grams=statistics.mean(x["recorded_text_repeated_4grams"] for x in with_rec),
                        recorded_text_higher_on=sum(x["run_recorded_text"] > x["run_fp32_text"] for x in with_rec),
                        median_common_prefix_tokens=statistics.median(x["common_prefix_tokens"] for x in with_rec))
+    summary["fp32_text_not_argmax"] = statistics.mean(x["fp32_text_not_argmax"] for x in per_prompt)
+    summary["fp32_text_repeated_4grams"] = statistics.mean(x["fp32_text_repeated_4grams"] for x in per_prompt)
+    for k in ("fp32_text_familiar_8grams", "recorded_text_familiar_8grams"):
+        if any(k in x for x in per_prompt):
+            summary[k] = statistics.mean(x[k] for x in per_prompt if k in x)
     print(json.dumps(summary, indent=2))
 
 

@@ -421,3 +421,56 @@ def test_evaluate_tau_cut_run_keeps_its_command(tmp_path):
     summary = json.loads((tmp_path / "t" / "summary.json").read_text())
     assert "--max_new_tokens 5" in summary["command"] and "--summarize_only" not in summary["command"]
     assert summary["results"]["m|mtbench|T=0.0"]["prompts"] == 2
+
+
+def test_anchor_bias_verified_run(tmp_path):
+    """anchor_bias.leading_runs: on the target's own greedy text every token is its argmax, so the verified run is
+    the plain run; on a text with a token the target would not choose, that token is counted as not-argmax and no
+    proposal through it is verified."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import anchor_bias
+    from test_offline_tau import overfit
+    from test_training import tiny_target
+
+    target = tiny_target().eval()
+    prompt = [3, 7, 11, 5]
+    greedy = target.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0].tolist()
+    drafter = overfit(build_drafter(target, "dflash", False), target, [(len(prompt), greedy, None)], steps=60).eval()
+    run, verified, off = anchor_bias.leading_runs(target, drafter, greedy, len(prompt))
+    assert off == 0 and torch.equal(run, verified) and run.float().mean() > 1  # the overfitted drafter follows it
+    bent = list(greedy)
+    i = len(prompt) + 6
+    bent[i] = next(t for t in range(3, 60) if t != greedy[i])  # not the argmax after greedy[:i]
+    run_b, verified_b, off_b = anchor_bias.leading_runs(target, drafter, bent, len(prompt))
+    assert off_b > 0 and bool((verified_b <= run_b).all())
+    # anchors before position i whose proposals reach it stop there when verified
+    a = i - len(prompt) - 1  # the anchor right before the bent token: its first proposal is bent[i]
+    assert verified_b[a] == 0
+    assert anchor_bias.repeated_ngram_share([1, 2, 3, 4, 1, 2, 3, 4], 4) == pytest.approx(1 / 5)  # (1,2,3,4) twice
+    assert anchor_bias.repeated_ngram_share([1, 2, 3], 4) == 0.0
+    known = anchor_bias.ngram_hashes(list(range(20)), 8)
+    assert anchor_bias.familiar_share(list(range(10)) + [99, 98, 97], known, 8) == pytest.approx(3 / 6)
+
+
+def test_lookup_hybrid_rules():
+    """Prompt-lookup proposals copy the continuation of the earliest match of the context's suffix, from
+    the context only; the replay accepts leading matches with the rollout and advances by accepted + 1; the
+    two-branch rule is never below either single rule."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import lookup_hybrid_offline as lh
+
+    toks = [1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3]
+    # suffix (1, 2, 3) at t=10 (no earlier 4-gram match): the earliest match starts at 0, followed by 9, 1, 2, 3
+    assert lh.lookup_proposals(toks, 10, 4) == ([9, 1, 2, 3], 3)
+    assert lh.lookup_proposals([5, 6, 7], 2, 4) == ([], 0)
+    assert lh.lookup_proposals(toks, 10, 2) == ([9, 1], 3)  # cut to num
+    assert lh.lookup_proposals([7, 1, 2, 1, 2], 4, 9) == ([1, 2], 2)  # context only: nothing past t is copied
+    loop = [4, 5] + [1, 2] * 10  # prompt of 2, then a 2-token loop
+    plen = 2
+    none = torch.zeros(len(loop) - 1 - plen, 3, dtype=torch.long)  # a drafter that never hits
+    assert lh.replay(loop, plen, none, "drafter", 3) == [0] * (len(loop) - 2 - plen)
+    look = lh.replay(loop, plen, none, "lookup", 3)
+    # every token but a last plain step comes from draft rounds; whole 3-token blocks are copied in the loop
+    assert sum(a + 1 for a in look) in (len(loop) - 1 - plen, len(loop) - 2 - plen) and max(look) == 3
+    for rule in ("lookup", "hybrid", "drafter"):
+        assert len(lh.replay(loop, plen, none, "both", 3)) <= len(lh.replay(loop, plen, none, rule, 3))

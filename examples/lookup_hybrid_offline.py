@@ -1,0 +1,143 @@
+"""Would copying from the context help this drafter? Exact offline τ at T=0 of four drafting rules on the same rollouts.
+
+    python examples/lookup_hybrid_offline.py --drafter model_cards/smollm2-135m-instruct-dflash --limit 8 \
+        --out lookup_hybrid_cpu.json
+
+Why: the reference target's greedy responses loop a lot (about a third of their 4-grams repeat earlier 4-grams), and
+the block drafter continues such loops poorly (e.g. a 4-token loop repeated 40 times, drafted at a mean run of ~2).
+Prompt-lookup decoding proposes exactly those continuations from the context. At T=0 the emitted tokens are the
+target's greedy rollout whatever is drafted, so every rule can be replayed exactly on one rollout per prompt:
+- `drafter`: the drafter's block (teacher-forced proposals at each anchor equal the online ones for a drafter without
+  Carryover; the replayed τ is checked against the engine's own rounds);
+- `lookup`: the continuation after the earliest occurrence of the context's last n tokens (n = 4, 3, 2),
+  as transformers' prompt-lookup decoding proposes; a round without a match decodes one token;
+- `hybrid`: the lookup continuation where a match of at least `--min_ngram` tokens exists, else the drafter's block;
+- `both`: both candidates verified in one target forward (a two-branch tree), the longer accepted one kept: a real
+  method at twice the verified rows, so also the upper bound of any rule that picks one of the two.
+τ here is tokens per target forward over all rounds (a lookup round without a match counts as a forward for one token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+
+def lookup_proposals(tokens: list[int], t: int, num: int, max_ngram: int = 4, min_ngram: int = 2) -> tuple[list[int], int]:
+    """Continuation of the earliest earlier occurrence of tokens[t-n+1 .. t] (largest n first) within tokens[:t+1], as
+    transformers' prompt lookup takes its first match; returns (proposals, n) or ([], 0). Proposals come from the
+    context only (indices <= t), so in a loop the earliest match gives the longest continuation."""
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if t + 1 < n + 1:
+            continue
+        suffix = tokens[t - n + 1 : t + 1]
+        for s in range(0, t - n + 1):  # earliest match first; the match must end before t
+            if tokens[s : s + n] == suffix:
+                return tokens[s + n : min(s + n + num, t + 1)], n
+    return [], 0
+
+
+def drafter_proposals(target, drafter, tokens: list[int], plen: int) -> torch.Tensor:
+    """Greedy block proposals `[L - 1 - plen, P]` at every response anchor plen..L-2, teacher-forced on the rollout."""
+    from hf_carryover.training.objectives import draft_blocks, greedy_proposals, target_pass
+
+    x = torch.tensor([tokens])  # [1, L]
+    valid = torch.ones_like(x, dtype=torch.bool)
+    anchors = torch.arange(plen, x.shape[1] - 1)[None]
+    with torch.no_grad():
+        feats, _ = target_pass(target, drafter, x, valid, need_logits=False)
+        hidden = draft_blocks(drafter, drafter, x, feats, valid, anchors)
+        return greedy_proposals(drafter, hidden, x.gather(1, anchors))[0]
+
+
+def accepted(props: list[int], tokens: list[int], t: int) -> int:
+    a = 0
+    for j, p in enumerate(props):
+        if t + 1 + j >= len(tokens) or tokens[t + 1 + j] != p:
+            break
+        a += 1
+    return a
+
+
+def replay(tokens: list[int], plen: int, props: torch.Tensor, rule: str, min_ngram: int) -> list[int]:
+    """Accepted drafts per round (target forward) from the anchor at plen (the prefill's token) to the end."""
+    P = props.shape[1]
+    rounds, t, L = [], plen, len(tokens)
+    while t < L - 1:
+        # tokens still to emit; as generate() and the engine, propose at most one fewer (the verification adds one),
+        # and a last step with no room for a proposal is a plain decoding step, not a draft round
+        room = min(P, L - 2 - t)
+        if room <= 0:
+            break
+        d = props[t - plen, :room].tolist()
+        look, n = lookup_proposals(tokens, t, room)
+        if rule == "drafter":
+            a = accepted(d, tokens, t)
+        elif rule == "lookup":
+            a = accepted(look, tokens, t)
+        elif rule == "hybrid":
+            a = accepted(look if n >= min_ngram else d, tokens, t)
+        else:  # both branches verified
+            a = max(accepted(d, tokens, t), accepted(look, tokens, t))
+        rounds.append(a)
+        t += a + 1
+    return rounds
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--drafter", required=True, help="a drafter folder without Carryover (its teacher-forced proposals "
+                   "are its online ones)")
+    p.add_argument("--prompts_dir", default="assets/prompts")
+    p.add_argument("--datasets", nargs="+", default=["mtbench", "humaneval", "sharegpt"])
+    p.add_argument("--limit", type=int, default=8)
+    p.add_argument("--max_new_tokens", type=int, default=256)
+    p.add_argument("--min_ngram", type=int, default=3, help="hybrid: smallest lookup match that replaces the drafter")
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from evaluate_tau import environment, load_prompts
+
+    from hf_carryover import Drafter
+    from hf_carryover.engine.engine import SpeculativeEngine
+    from hf_carryover.reference import reference_target
+
+    target, _ = reference_target(dtype=torch.float32)
+    drafter = Drafter.from_pretrained(args.drafter, dtype=torch.float32).eval()
+    if drafter.config.carryover:
+        raise SystemExit(f"{args.drafter} uses Carryover: its teacher-forced proposals are not its online ones; "
+                         "give a drafter without it")
+    drafter.bind_target(target)
+    eos = target.generation_config.eos_token_id
+    rules = ["drafter", "lookup", "hybrid", "both"]
+    res = {"command": " ".join(["python"] + sys.argv), "environment": environment(), "drafter": args.drafter,
+           "max_new_tokens": args.max_new_tokens, "min_ngram": args.min_ngram, "datasets": {}}
+    for ds in args.datasets:
+        prompts = [r["input_ids"] for r in load_prompts(args.prompts_dir, ds, args.limit)]
+        engine = SpeculativeEngine(target, drafter, max_len=max(map(len, prompts)) + args.max_new_tokens + 40)
+        outs = engine.generate(prompts, max_new_tokens=args.max_new_tokens, eos_token_id=eos)
+        per_rule = {r: [] for r in rules}
+        for prompt, out in zip(prompts, outs):
+            tokens = prompt + out
+            props = drafter_proposals(target, drafter, tokens, len(prompt))
+            for r in rules:
+                per_rule[r] += replay(tokens, len(prompt), props, r, args.min_ngram)
+        engine_rounds = [a for rr in engine.rounds for a in rr]
+        row = {"prompts": len(prompts), "engine_tau": statistics.mean(a + 1 for a in engine_rounds)}
+        for r in rules:
+            row[f"tau_{r}"] = statistics.mean(a + 1 for a in per_rule[r])
+            row[f"rounds_{r}"] = len(per_rule[r])
+        res["datasets"][ds] = row
+        print(ds, json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
