@@ -167,6 +167,8 @@ def main():
                    help="HF rows' untimed warm-up: the longest prompt, or a whole untimed pass over the prompts (on "
                         "the H200 the first hf_spec row of a run read slower than the second at equal τ; a full pass "
                         "tells a warm-up effect from a real difference)")
+    p.add_argument("--lookup", type=int, help="also run hf_spec_lookup rows: generate() with the drafter and "
+                   "prompt_lookup_num_tokens=N (context lookup)")
     p.add_argument("--passes", type=int, default=1, help="timed passes per method over the same prompts, in "
                    "alternating order (forward, reverse, ...); rows report the median pass and list all of them")
     p.add_argument("--out", required=True)
@@ -210,6 +212,10 @@ def main():
                 for n, d in drafters.items() for b in args.batch_sizes]
     methods += [("hf_eager", lambda pr: hf(pr))]
     methods += [(f"hf_spec:{n}", lambda pr, d=d: hf(pr, assistant_model=d)) for n, d in drafters.items()]
+    if args.lookup:  # our generate() path with context lookup (copies loops from the context; generate() only)
+        methods += [(f"hf_spec_lookup:{n}",
+                     lambda pr, d=d: hf(pr, assistant_model=d, prompt_lookup_num_tokens=args.lookup))
+                    for n, d in drafters.items()]
     methods += [(f"hf_own_dflash:{n}", lambda pr, d=d: hf(pr, assistant_model=d, speculation_type="dflash"))
                 for n, d in drafters.items() if d.config.drafter_type == "dflash" and d.config.mask_token_id is not None]
     methods += [("hf_prompt_lookup", lambda pr: hf(pr, prompt_lookup_num_tokens=10))]

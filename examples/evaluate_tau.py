@@ -59,9 +59,17 @@ def load_drafters(specs, dtype, device):
         path, *pairs = rest.split(",")
         overrides = {k: json.loads(v) if v in ("true", "false") or v.lstrip("-").isdigit() else v
                      for k, v in (p.split("=", 1) for p in pairs)}
+        lookup = overrides.pop("lookup", None)  # a generate() argument, not a config field
         drafters[name] = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=dtype,
                                                    **overrides).to(device).eval()
+        drafters[name]._eval_lookup = lookup
     return drafters
+
+
+def lookup_of(spec: str):
+    """The `lookup=N` option of a drafter spec (context lookup, `prompt_lookup_num_tokens=N`), or None."""
+    return next((int(p.split("=", 1)[1]) for p in spec.split("=", 1)[1].split(",")[1:] if p.startswith("lookup=")),
+                None)
 
 
 def _setup(args):
@@ -82,6 +90,8 @@ def worker(rank, args, jobs):
         name, dataset, temp, pid, ids = job
         x = torch.tensor([ids], device=device)
         kw = dict(max_new_tokens=args.max_new_tokens, do_sample=temp > 0)
+        if drafters[name]._eval_lookup:
+            kw["prompt_lookup_num_tokens"] = drafters[name]._eval_lookup
         if temp > 0:
             kw.update(temperature=float(temp), top_k=0, top_p=1.0)
         if device == "cuda":
@@ -96,6 +106,9 @@ def worker(rank, args, jobs):
         rec = {"drafter": name, "dataset": dataset, "temperature": temp, "id": pid,
                "new_tokens": int(y.shape[1] - x.shape[1]), "seconds": dt,
                "accepted": [r["accepted"] for r in gen.rounds], "proposals": [r["proposals"] for r in gen.rounds]}
+        if drafters[name]._eval_lookup:  # what the generator itself was given, and how often it looked up
+            rec["lookup"] = gen.lookup_tokens
+            rec["lookup_rounds"] = sum(r.get("source") == "lookup" for r in gen.rounds)
         out.write(json.dumps(rec) + "\n")
         out.flush()
 
@@ -208,7 +221,8 @@ def summarize(out_dir, max_positions=16):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="reference")
-    p.add_argument("--drafters", nargs="+", required=True, help="name=folder pairs")
+    p.add_argument("--drafters", nargs="+", required=True,
+                   help="name=folder[,config_key=value...][,lookup=N] (lookup: context lookup, generate() only)")
     p.add_argument("--datasets", nargs="+", default=["mtbench", "humaneval", "sharegpt"])
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0])
     p.add_argument("--prompts_dir", default="assets/prompts")
@@ -227,6 +241,10 @@ def main():
     run_file = Path(args.out, "run.json")  # who measured, written before measuring: a run cut by a time limit
     if not args.summarize_only:            # is summarised later (--summarize_only) under its own command
         run_file.write_text(json.dumps({"command": command, "environment": env}, indent=2))
+    looked = [d for d in args.drafters if lookup_of(d)]
+    if looked and (args.offline or args.engine):
+        raise SystemExit(f"{looked}: context lookup (lookup=N) runs through generate() only; the engine and the "
+                         "offline replay have no lookup yet (examples/lookup_hybrid_offline.py replays it at T=0)")
     if args.offline:
         offline(args)
     elif args.engine:

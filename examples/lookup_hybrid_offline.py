@@ -29,17 +29,10 @@ import torch
 
 
 def lookup_proposals(tokens: list[int], t: int, num: int, max_ngram: int = 4, min_ngram: int = 2) -> tuple[list[int], int]:
-    """Continuation of the earliest earlier occurrence of tokens[t-n+1 .. t] (largest n first) within tokens[:t+1], as
-    transformers' prompt lookup takes its first match; returns (proposals, n) or ([], 0). Proposals come from the
-    context only (indices <= t), so in a loop the earliest match gives the longest continuation."""
-    for n in range(max_ngram, min_ngram - 1, -1):
-        if t + 1 < n + 1:
-            continue
-        suffix = tokens[t - n + 1 : t + 1]
-        for s in range(0, t - n + 1):  # earliest match first; the match must end before t
-            if tokens[s : s + n] == suffix:
-                return tokens[s + n : min(s + n + num, t + 1)], n
-    return [], 0
+    """The generate() path's context lookup (`context_lookup`) at anchor t: proposals copied from tokens[:t+1]."""
+    from hf_carryover.generation_carryover import context_lookup
+
+    return context_lookup(tokens[: t + 1], num, max_ngram, min_ngram)
 
 
 def drafter_proposals(target, drafter, tokens: list[int], plen: int) -> torch.Tensor:

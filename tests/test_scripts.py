@@ -32,13 +32,13 @@ def test_benchmark_script_tiny(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(ROOT / "examples" / "benchmark.py"), "--target", "tiny", "--drafters",
            f"m={tmp_path / 'drafter'}", f"p={tmp_path / 'plain'}", "--datasets", "mtbench", "--prompts_dir", str(prompts), "--limit", "3",
-           "--max_new_tokens", "12", "--batch_sizes", "1", "3", "--profile", "--cuda_graphs", "--out",
+           "--max_new_tokens", "12", "--batch_sizes", "1", "3", "--profile", "--cuda_graphs", "--lookup", "4", "--out",
            str(tmp_path / "out")]
     subprocess.run(cmd, check=True, env=env, capture_output=True, cwd=tmp_path)
     summary = json.loads((tmp_path / "out" / "bench.json").read_text())
     methods = {r["method"] for r in summary["results"]}
     assert {"hf_eager", "hf_prompt_lookup", "hf_spec:m", "engine_ar@1", "engine_ar@3", "engine:m@1", "engine:m@3",
-            "hf_own_dflash:m"} <= methods
+            "hf_own_dflash:m", "hf_spec_lookup:m"} <= methods
     assert all(r["tokens"] == 36 for r in summary["results"])  # 3 prompts x 12 tokens, eos never hit
     # each row's whole cost (warm-up and first-use build included) is at least its timed part
     assert all(r["row_wall_s"] >= round(r["seconds"], 1) - 0.1 for r in summary["results"]), summary["results"]
@@ -421,6 +421,18 @@ def test_evaluate_tau_cut_run_keeps_its_command(tmp_path):
     summary = json.loads((tmp_path / "t" / "summary.json").read_text())
     assert "--max_new_tokens 5" in summary["command"] and "--summarize_only" not in summary["command"]
     assert summary["results"]["m|mtbench|T=0.0"]["prompts"] == 2
+    # a drafter with context lookup (generate() only): its records count the looked-up rounds; the engine refuses it
+    loop = [json.dumps({"id": "loop", "input_ids": [3, 7, 11, 5, 3, 7, 11]}) + "\n"]
+    (prompts / "mtbench.jsonl").write_text("".join(loop))
+    lk = ["--target", str(tmp_path / "target"), "--drafters", f"l={tmp_path / 'drafter'},lookup=3", "--prompts_dir",
+          str(prompts), "--datasets", "mtbench", "--dtype", "float32", "--max_new_tokens", "6"]
+    subprocess.run([sys.executable, script, *lk, "--out", str(tmp_path / "lk")], check=True, env=env,
+                   capture_output=True, cwd=tmp_path)
+    rec = json.loads((tmp_path / "lk" / "raw-0.jsonl").read_text().splitlines()[0])
+    assert rec["lookup"] == 3 and rec["lookup_rounds"] >= 0  # generate() handed the option to the generator
+    bad = subprocess.run([sys.executable, script, *lk, "--engine", "--out", str(tmp_path / "lk2")], env=env,
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert bad.returncode != 0 and "generate() only" in bad.stderr
 
 
 def test_anchor_bias_verified_run(tmp_path):

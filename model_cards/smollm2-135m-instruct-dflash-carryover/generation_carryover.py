@@ -70,6 +70,15 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         if self.schedule not in ("constant", "heuristic", "heuristic_transient"):
             raise ValueError(f"num_assistant_tokens_schedule={self.schedule!r}: expected 'constant', 'heuristic' or "
                              "'heuristic_transient'.")
+        # transformers' prompt-lookup knob, here a hybrid: a round whose context ends in a 3- or 4-gram seen earlier
+        # proposes what followed it (up to this many tokens, within the block) instead of drafting; else the drafter
+        # drafts. The reference target's greedy responses loop, and its drafter continues loops poorly
+        # (examples/lookup_hybrid_offline.py). Lossless: a looked-up proposal is a point mass, which the verifier
+        # accepts with the target's own probability of that token.
+        lt = getattr(generation_config, "prompt_lookup_num_tokens", None)
+        if lt is not None and int(lt) < 1:
+            raise ValueError(f"prompt_lookup_num_tokens={lt}: a lookup proposes at least one token (None: off).")
+        self.lookup_tokens = None if lt is None else int(lt)
         kept = getattr(drafter, "_hf_carryover_num_proposals", None)
         if self.schedule == "heuristic" and kept is not None:
             self.max_proposals = min(int(kept), self.config.num_proposals)
@@ -140,6 +149,10 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         n_prop = min(self.max_proposals, budget)
         if n_prop <= 0:
             return input_ids, None
+        if self.lookup_tokens:
+            look, _ = context_lookup(input_ids[0, self._pad_offset:].tolist(), min(n_prop, self.lookup_tokens))
+            if look:
+                return self._lookup_round(input_ids, look, model_outputs)
         anchor = input_ids[:, -1:].to(device)
         hidden = drafter.draft_hidden(anchor, input_ids.shape[1] - 1 - self._pad_offset, self.cache, carry, carry_pos)
         hidden = hidden[:, drafter.proposal_rows()][:, :n_prop]  # [1, n_prop, d]
@@ -151,6 +164,20 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         self._pending = True
         candidate = torch.cat([input_ids, tokens.to(input_ids.device)], dim=-1)
         return candidate, logits.to(input_ids.device)
+
+    def _lookup_round(self, input_ids, look: list[int], model_outputs):
+        """Propose tokens copied from the context. Their distribution is a point mass (logits 0 on the token, -inf
+        elsewhere), so speculative sampling accepts each with the target's probability and resamples from the
+        target's distribution without it: the target's law, as for drafted proposals."""
+        logits_out = getattr(model_outputs, "logits", None)
+        vocab = logits_out.shape[-1] if logits_out is not None else self.config.vocab_size
+        tokens = torch.tensor([look], dtype=torch.long, device=input_ids.device)  # [1, m]
+        logits = torch.full((1, len(look), vocab), float("-inf"), device=input_ids.device)
+        logits.scatter_(2, tokens[..., None], 0.0)  # [1, m, V]
+        tokens, logits = self._crop_at_eos(tokens, logits)
+        self.rounds.append({"proposals": tokens.shape[1], "accepted": 0, "source": "lookup"})
+        self._pending = True
+        return torch.cat([input_ids, tokens], dim=-1), logits
 
     def _choose(self, input_ids, logits):
         """Turn per-row drafter logits `[1, n, V]` into proposals and the distribution they were drawn from.
@@ -179,6 +206,21 @@ class CarryoverCandidateGenerator(CandidateGenerator):
             return tokens, logits
         n = int(drafts_through_eos(tokens[0], self.eos_ids))
         return tokens[:, :n], logits[:, :n]
+
+
+def context_lookup(tokens: list[int], num: int, max_ngram: int = 4, min_ngram: int = 3) -> tuple[list[int], int]:
+    """Prompt lookup over a committed sequence: the tokens that followed the earliest earlier occurrence of its last n
+    tokens (n = max_ngram down to min_ngram), at most `num` and from the sequence only. Returns (tokens, n), or ([], 0)
+    without a match. The earliest match is transformers' choice too; in a loop it gives the longest continuation."""
+    t = len(tokens) - 1
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if t < n:
+            continue
+        suffix = tokens[t - n + 1 :]
+        for s in range(0, t - n + 1):  # matches ending before the sequence's end
+            if tokens[s : s + n] == suffix:
+                return tokens[s + n : s + n + num], n
+    return [], 0
 
 
 def eos_tensor(eos_token_id) -> torch.Tensor:
@@ -259,4 +301,4 @@ def enable(target):
 
 
 __all__ = ["CarryoverCandidateGenerator", "install_generate_hook", "enable", "eos_tensor", "drafts_through_eos",
-           "accepted_as_generate_counts"]
+           "accepted_as_generate_counts", "context_lookup"]
