@@ -29,22 +29,31 @@ import statistics
 import torch
 
 
+def proposals_at_every_anchor(target, drafter, x: torch.Tensor, plen: int, need_logits: bool = False):
+    """Greedy block proposals `[1, N, P]` at every response anchor plen..L-2 of `x [1, L]`, teacher-forced (for a
+    drafter without Carryover these are its online proposals), and the target's logits `[1, L, V]` if asked."""
+    from hf_carryover.training.objectives import draft_blocks, greedy_proposals, target_pass
+
+    valid = torch.ones_like(x, dtype=torch.bool)
+    anchors = torch.arange(plen, x.shape[1] - 1)[None]  # every response position that has a next token
+    with torch.no_grad():
+        feats, logits = target_pass(target, drafter, x, valid, need_logits=need_logits)
+        hidden = draft_blocks(drafter, drafter, x, feats, valid, anchors)
+        return greedy_proposals(drafter, hidden, x.gather(1, anchors)), logits
+
+
 def leading_runs(target, drafter, ids: list[int], plen: int):
     """Teacher-forced at every response anchor of `ids` (prompt + response): the leading correct proposals `[N]`,
     the same run counting a proposal only where the loaded target's own argmax also names that token (what a
     verifier in the target's dtype would accept while the drafter follows this text) `[N]`, and the fraction of
     response tokens that differ from the target's argmax at their position (0 for the target's own greedy text, up to
     numerics; the share of a bf16-decoded text where fp32 would have chosen otherwise)."""
-    from hf_carryover.training.objectives import block_targets, draft_blocks, greedy_proposals, target_pass
+    from hf_carryover.training.objectives import block_targets
 
     x = torch.tensor([ids])  # [1, L]
     L = x.shape[1]
-    valid = torch.ones(1, L, dtype=torch.bool)
-    anchors = torch.arange(plen, L - 1)[None]  # every response position that has a next token
-    with torch.no_grad():
-        feats, logits = target_pass(target, drafter, x, valid, need_logits=True)
-        hidden = draft_blocks(drafter, drafter, x, feats, valid, anchors)
-        props = greedy_proposals(drafter, hidden, x.gather(1, anchors))  # [1, N, P]
+    anchors = torch.arange(plen, L - 1)[None]
+    props, logits = proposals_at_every_anchor(target, drafter, x, plen, need_logits=True)  # [1, N, P], [1, L, V]
     agree = torch.ones(1, L, dtype=torch.bool)
     agree[:, 1:] = logits[:, :-1].argmax(-1) == x[:, 1:]  # token t is the target's argmax after tokens < t
     labels, ok, _, pos = block_targets(x, torch.tensor([L]), anchors, torch.ones_like(anchors, dtype=torch.bool),

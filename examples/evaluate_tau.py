@@ -55,21 +55,21 @@ def load_drafters(specs, dtype, device):
 
     drafters = {}
     for spec in specs:
-        name, rest = spec.split("=", 1)
-        path, *pairs = rest.split(",")
-        overrides = {k: json.loads(v) if v in ("true", "false") or v.lstrip("-").isdigit() else v
-                     for k, v in (p.split("=", 1) for p in pairs)}
-        lookup = overrides.pop("lookup", None)  # a generate() argument, not a config field
+        name, path, overrides, lookup = parse_spec(spec)
         drafters[name] = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=dtype,
                                                    **overrides).to(device).eval()
         drafters[name]._eval_lookup = lookup
     return drafters
 
 
-def lookup_of(spec: str):
-    """The `lookup=N` option of a drafter spec (context lookup, `prompt_lookup_num_tokens=N`), or None."""
-    return next((int(p.split("=", 1)[1]) for p in spec.split("=", 1)[1].split(",")[1:] if p.startswith("lookup=")),
-                None)
+def parse_spec(spec: str):
+    """`name=folder[,key=value...]` -> (name, folder, config overrides, lookup N or None): `lookup=N` is a generate()
+    argument (context lookup, `prompt_lookup_num_tokens=N`), not a config field."""
+    name, rest = spec.split("=", 1)
+    path, *pairs = rest.split(",")
+    overrides = {k: json.loads(v) if v in ("true", "false") or v.lstrip("-").isdigit() else v
+                 for k, v in (p.split("=", 1) for p in pairs)}
+    return name, path, overrides, overrides.pop("lookup", None)
 
 
 def _setup(args):
@@ -241,7 +241,7 @@ def main():
     run_file = Path(args.out, "run.json")  # who measured, written before measuring: a run cut by a time limit
     if not args.summarize_only:            # is summarised later (--summarize_only) under its own command
         run_file.write_text(json.dumps({"command": command, "environment": env}, indent=2))
-    looked = [d for d in args.drafters if lookup_of(d)]
+    looked = [d for d in args.drafters if parse_spec(d)[3]]
     if looked and (args.offline or args.engine):
         raise SystemExit(f"{looked}: context lookup (lookup=N) runs through generate() only; the engine and the "
                          "offline replay have no lookup yet (examples/lookup_hybrid_offline.py replays it at T=0)")

@@ -37,15 +37,9 @@ def lookup_proposals(tokens: list[int], t: int, num: int, max_ngram: int = 4, mi
 
 def drafter_proposals(target, drafter, tokens: list[int], plen: int) -> torch.Tensor:
     """Greedy block proposals `[L - 1 - plen, P]` at every response anchor plen..L-2, teacher-forced on the rollout."""
-    from hf_carryover.training.objectives import draft_blocks, greedy_proposals, target_pass
+    from anchor_bias import proposals_at_every_anchor
 
-    x = torch.tensor([tokens])  # [1, L]
-    valid = torch.ones_like(x, dtype=torch.bool)
-    anchors = torch.arange(plen, x.shape[1] - 1)[None]
-    with torch.no_grad():
-        feats, _ = target_pass(target, drafter, x, valid, need_logits=False)
-        hidden = draft_blocks(drafter, drafter, x, feats, valid, anchors)
-        return greedy_proposals(drafter, hidden, x.gather(1, anchors))[0]
+    return proposals_at_every_anchor(target, drafter, torch.tensor([tokens]), plen)[0][0]
 
 
 def accepted(props: list[int], tokens: list[int], t: int) -> int:
