@@ -12,6 +12,9 @@ Methods (each skipped with a recorded reason when it cannot run here):
                       loop driving our drafter (DFlash drafters with a target-row mask; no Carryover there)
   engine_ar           hf_carryover.engine without a drafter (static caches; eager, or CUDA graphs with --cuda_graphs)
   engine:<name>       hf_carryover.engine with the drafter, at every --batch_sizes value (throughput)
+  engine_lookup:<name> (--lookup N) the engine with the drafter and context lookup of up to N tokens
+  engine_pld          (--lookup N) the engine without a drafter, prompt-lookup decoding of N tokens a round
+  hf_spec_lookup:<name> (--lookup N) generate(assistant_model=drafter, prompt_lookup_num_tokens=N)
 Engine rows record `mode`: how the engine ran ("eager", "cuda_graph", or why graphs were not used).
 vLLM rows (vllm_ar@b, vllm_dflash:<name>@b) come from examples/bench_vllm.py run with the same --out.
 Timing: warm-up excluded, CUDA-synchronised wall time; `--passes N` times every method N times in alternating
@@ -118,25 +121,29 @@ def make_engine(target, drafter, max_len, profile=False, cuda_graphs=False, comp
                              compile=compile)
 
 
-def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0):
+def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=None):
     """One engine per (target, drafter) serves every dataset and batch size of a run, so a shape is captured and
     compiled once, not once per dataset (and torch.compile stays far below its recompile limit)."""
     drafter = engine.drafter
     chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
-    kw = dict(max_new_tokens=max_new, eos_token_id=eos, do_sample=temperature > 0, temperature=temperature or 1.0)
+    kw = dict(max_new_tokens=max_new, eos_token_id=eos, do_sample=temperature > 0, temperature=temperature or 1.0,
+              prompt_lookup_num_tokens=lookup)
     for size in sorted({len(c) for c in chunks}):  # warm-up, capture and compile outside the timed loop, per batch
         engine.generate(next(c for c in chunks if len(c) == size), **kw)  # per shape
     engine.timing = dict.fromkeys(engine.timing, 0)  # the profile covers the timed calls only
-    n_tok, secs, acc, modes = 0, 0.0, [], []
+    n_tok, secs, acc, modes, looked = 0, 0.0, [], [], 0
     for i, chunk in enumerate(chunks):
         out, dt = _timed(lambda: engine.generate(chunk, seed=i, **kw))
         n_tok += sum(len(o) for o in out)
         secs += dt
         acc += [a for rows in engine.rounds for a in rows]
+        looked += sum(map(sum, engine.lookup_rounds))
         modes.append(engine.last_mode)
     res = {"tokens": n_tok, "seconds": secs, "tok_per_s": n_tok / secs,
-           "tau": (sum(acc) + len(acc)) / len(acc) if drafter is not None and acc else None,
+           "tau": (sum(acc) + len(acc)) / len(acc) if (drafter is not None or lookup) and acc else None,
            "mode": " | ".join(dict.fromkeys(modes))}  # one mode unless some batch shapes could not be captured
+    if lookup:
+        res.update(lookup=lookup, lookup_round_share=looked / max(len(acc), 1))
     if engine.profile and engine.timing["rounds"]:
         n = engine.timing["rounds"]
         res["per_round_s"] = {p: engine.timing[p] / n for p in ("draft", "verify", "other")}
@@ -167,8 +174,9 @@ def main():
                    help="HF rows' untimed warm-up: the longest prompt, or a whole untimed pass over the prompts (on "
                         "the H200 the first hf_spec row of a run read slower than the second at equal τ; a full pass "
                         "tells a warm-up effect from a real difference)")
-    p.add_argument("--lookup", type=int, help="also run hf_spec_lookup rows: generate() with the drafter and "
-                   "prompt_lookup_num_tokens=N (context lookup)")
+    p.add_argument("--lookup", type=int, help="also run context-lookup rows of up to N tokens: hf_spec_lookup "
+                   "(generate() with the drafter and prompt_lookup_num_tokens=N), engine_lookup (the engine with the "
+                   "drafter) and engine_pld (the engine without a drafter)")
     p.add_argument("--passes", type=int, default=1, help="timed passes per method over the same prompts, in "
                    "alternating order (forward, reverse, ...); rows report the median pass and list all of them")
     p.add_argument("--out", required=True)
@@ -198,18 +206,24 @@ def main():
 
     def engine_for(name, d):  # built on first use, then shared by every dataset and batch size
         if name not in engines:
-            k = d.config.block_size if d is not None else 1
+            k = d.config.block_size if d is not None else (args.lookup or 0) + 1
             engines[name] = make_engine(target, d, longest + args.max_new_tokens + 2 * k, args.profile,
                                         args.cuda_graphs, args.compile)
         return engines[name]
 
     T = args.temperature
     hf = lambda pr, **kw: run_hf(target, pr, args.max_new_tokens, temperature=T, **kw)  # noqa: E731
-    eng = lambda name, d, pr, b: run_engine(engine_for(name, d), pr, args.max_new_tokens, b, eos, T)  # noqa: E731
+    def eng(name, d, pr, b, lookup=None):  # one engine per drafter serves rows with and without lookup
+        return run_engine(engine_for(name, d), pr, args.max_new_tokens, b, eos, T, lookup)
+
     # fastest first: when a time box cuts the run, the engine rows and the HF baselines exist already
     methods = [(f"engine_ar@{b}", lambda pr, b=b: eng(None, None, pr, b)) for b in args.batch_sizes]
     methods += [(f"engine:{n}@{b}", lambda pr, n=n, d=d, b=b: eng(n, d, pr, b))
                 for n, d in drafters.items() for b in args.batch_sizes]
+    if args.lookup:
+        methods += [(f"engine_lookup:{n}@{b}", lambda pr, n=n, d=d, b=b: eng(n, d, pr, b, args.lookup))
+                    for n, d in drafters.items() for b in args.batch_sizes]
+        methods += [(f"engine_pld@{b}", lambda pr, b=b: eng(None, None, pr, b, args.lookup)) for b in args.batch_sizes]
     methods += [("hf_eager", lambda pr: hf(pr))]
     methods += [(f"hf_spec:{n}", lambda pr, d=d: hf(pr, assistant_model=d)) for n, d in drafters.items()]
     if args.lookup:  # our generate() path with context lookup (copies loops from the context; generate() only)

@@ -161,14 +161,18 @@ def engine_mode(args):
                 for i in range(0, len(rows), args.engine_batch):
                     chunk = rows[i : i + args.engine_batch]
                     t0 = time.perf_counter()
+                    lookup = drafter._eval_lookup  # context lookup: the engine's twin of generate()'s
                     gens = engine.generate([r["input_ids"] for r in chunk], max_new_tokens=args.max_new_tokens,
-                                           do_sample=temp > 0, temperature=temp or 1.0, eos_token_id=eos, seed=i)
+                                           do_sample=temp > 0, temperature=temp or 1.0, eos_token_id=eos, seed=i,
+                                           prompt_lookup_num_tokens=lookup)
                     dt = time.perf_counter() - t0
-                    for r, g, rounds in zip(chunk, gens, engine.rounds):
-                        out.write(json.dumps({"drafter": name, "dataset": dataset, "temperature": temp, "id": r["id"],
-                                              "new_tokens": len(g), "seconds": dt / len(chunk), "accepted": rounds,
-                                              "proposals": [drafter.config.num_proposals] * len(rounds),
-                                              "engine": True}) + "\n")
+                    for r, g, rounds, looked in zip(chunk, gens, engine.rounds, engine.lookup_rounds):
+                        rec = {"drafter": name, "dataset": dataset, "temperature": temp, "id": r["id"],
+                               "new_tokens": len(g), "seconds": dt / len(chunk), "accepted": rounds,
+                               "proposals": [drafter.config.num_proposals] * len(rounds), "engine": True}
+                        if lookup:  # as the generate() records: the setting and how many rounds looked up
+                            rec.update(lookup=lookup, lookup_rounds=sum(looked))
+                        out.write(json.dumps(rec) + "\n")
                     out.flush()
                 print(f"{name} {dataset} T={temp}: {len(rows)} prompts", flush=True)
 
@@ -222,7 +226,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="reference")
     p.add_argument("--drafters", nargs="+", required=True,
-                   help="name=folder[,config_key=value...][,lookup=N] (lookup: context lookup, generate() only)")
+                   help="name=folder[,config_key=value...][,lookup=N] (lookup: context lookup; generate() and --engine)")
     p.add_argument("--datasets", nargs="+", default=["mtbench", "humaneval", "sharegpt"])
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0])
     p.add_argument("--prompts_dir", default="assets/prompts")
@@ -242,9 +246,9 @@ def main():
     if not args.summarize_only:            # is summarised later (--summarize_only) under its own command
         run_file.write_text(json.dumps({"command": command, "environment": env}, indent=2))
     looked = [d for d in args.drafters if parse_spec(d)[3]]
-    if looked and (args.offline or args.engine):
-        raise SystemExit(f"{looked}: context lookup (lookup=N) runs through generate() only; the engine and the "
-                         "offline replay have no lookup yet (examples/lookup_hybrid_offline.py replays it at T=0)")
+    if looked and args.offline:
+        raise SystemExit(f"{looked}: context lookup (lookup=N) runs through generate() and the engine; the offline "
+                         "replay has no lookup yet (examples/lookup_hybrid_offline.py replays it at T=0)")
     if args.offline:
         offline(args)
     elif args.engine:

@@ -38,7 +38,7 @@ def test_benchmark_script_tiny(tmp_path):
     summary = json.loads((tmp_path / "out" / "bench.json").read_text())
     methods = {r["method"] for r in summary["results"]}
     assert {"hf_eager", "hf_prompt_lookup", "hf_spec:m", "engine_ar@1", "engine_ar@3", "engine:m@1", "engine:m@3",
-            "hf_own_dflash:m", "hf_spec_lookup:m"} <= methods
+            "hf_own_dflash:m", "hf_spec_lookup:m", "engine_lookup:m@1", "engine_lookup:m@3", "engine_pld@1"} <= methods
     assert all(r["tokens"] == 36 for r in summary["results"])  # 3 prompts x 12 tokens, eos never hit
     # each row's whole cost (warm-up and first-use build included) is at least its timed part
     assert all(r["row_wall_s"] >= round(r["seconds"], 1) - 0.1 for r in summary["results"]), summary["results"]
@@ -47,6 +47,9 @@ def test_benchmark_script_tiny(tmp_path):
     # drafter without Carryover it must equal our loop's recorded τ (the two accept the same tokens per round)
     assert by["hf_spec:p"]["tau"] > 1.5  # the overfitted drafter accepts several tokens a round
     assert by["hf_own_dflash:p"]["tau"] == pytest.approx(by["hf_spec:p"]["tau"])
+    # the engine's context lookup takes generate()'s rounds (fp32 on CPU), so the same τ
+    assert by["engine_lookup:p@1"]["tau"] == pytest.approx(by["hf_spec_lookup:p"]["tau"])
+    assert by["engine_pld@1"]["tau"] >= 1.0 and "lookup_round_share" in by["engine_pld@1"]
     assert "| mtbench | engine:m@3 |" in (tmp_path / "out" / "bench.md").read_text()
     assert {r["mode"] for r in summary["results"] if r["method"].startswith("engine")} == {"eager (no CUDA)"}
     assert "cuda_graphs" not in summary["not_covered"]
@@ -421,7 +424,8 @@ def test_evaluate_tau_cut_run_keeps_its_command(tmp_path):
     summary = json.loads((tmp_path / "t" / "summary.json").read_text())
     assert "--max_new_tokens 5" in summary["command"] and "--summarize_only" not in summary["command"]
     assert summary["results"]["m|mtbench|T=0.0"]["prompts"] == 2
-    # a drafter with context lookup (generate() only): its records count the looked-up rounds; the engine refuses it
+    # a drafter with context lookup: its records count the looked-up rounds, through generate() and the engine alike;
+    # the offline replay refuses it
     loop = [json.dumps({"id": "loop", "input_ids": [3, 7, 11, 5, 3, 7, 11]}) + "\n"]
     (prompts / "mtbench.jsonl").write_text("".join(loop))
     lk = ["--target", str(tmp_path / "target"), "--drafters", f"l={tmp_path / 'drafter'},lookup=3", "--prompts_dir",
@@ -430,9 +434,14 @@ def test_evaluate_tau_cut_run_keeps_its_command(tmp_path):
                    capture_output=True, cwd=tmp_path)
     rec = json.loads((tmp_path / "lk" / "raw-0.jsonl").read_text().splitlines()[0])
     assert rec["lookup"] == 3 and rec["lookup_rounds"] >= 0  # generate() handed the option to the generator
-    bad = subprocess.run([sys.executable, script, *lk, "--engine", "--out", str(tmp_path / "lk2")], env=env,
+    subprocess.run([sys.executable, script, *lk, "--engine", "--out", str(tmp_path / "lk2")], check=True, env=env,
+                   capture_output=True, cwd=tmp_path)
+    eng = json.loads((tmp_path / "lk2" / "raw-engine.jsonl").read_text().splitlines()[0])
+    assert eng["lookup"] == 3 and eng["accepted"] == rec["accepted"]  # the engine's rounds are generate()'s
+    assert eng["lookup_rounds"] == rec["lookup_rounds"]
+    bad = subprocess.run([sys.executable, script, *lk, "--offline", "--out", str(tmp_path / "lk3")], env=env,
                          capture_output=True, text=True, cwd=tmp_path)
-    assert bad.returncode != 0 and "generate() only" in bad.stderr
+    assert bad.returncode != 0 and "offline replay has no lookup" in bad.stderr
 
 
 def test_anchor_bias_verified_run(tmp_path):

@@ -9,6 +9,10 @@ Every round, for all b rows at once:
   4. the drafter's context cache receives all k+1 verified rows at their positions (rows past the accepted
      prefix stay invisible and are overwritten later); rows a+1..k become the next round's carryover (rows past a
      drafted EOS excepted: generate() never verifies those).
+With `prompt_lookup_num_tokens=N` (context lookup, as in the generate() path) a row whose committed sequence ends
+in a 3- or 4-gram seen earlier proposes the tokens that followed it instead of its drafted block (`lookup.py`);
+the drafter still drafts every row (a fixed-shape round cannot skip it for some rows), and slots past a shorter
+lookup are marked invalid, so they are never accepted. Without a drafter this is prompt-lookup decoding.
 No tensor changes shape between rounds; rollback is moving a row's position. Without a drafter the same loop
 is plain autoregressive decoding (k = 0). A round reads and writes only the static tensors of a `DecodeState`
 (and the caches) in place, so the same code runs eagerly and, with `cuda_graphs=True` on CUDA, as one replayed
@@ -27,6 +31,7 @@ import torch
 
 from ..generation_carryover import accepted_as_generate_counts, eos_tensor
 from .graphs import capture_round
+from .lookup import batched_context_lookup, point_mass
 from .static_cache import DrafterStaticCache, TargetStaticCache
 
 
@@ -46,7 +51,7 @@ class DecodeState:
     `static_cache.py`: every position below a row's anchor is rewritten by that row's prefill or accepted
     verifications before any query can see it), so the caches are reused without clearing."""
 
-    def __init__(self, b, k, max_new, n_eos, caches, n_feat, feat_dtype, device):
+    def __init__(self, b, k, max_new, n_eos, caches, n_feat, feat_dtype, device, seq_len):
         def zeros(*shape, dtype=torch.long):
             return torch.zeros(shape, dtype=dtype, device=device)
 
@@ -59,6 +64,8 @@ class DecodeState:
         # a round and starts with 1, so at most max_new - 1 rounds run
         self.accepted = zeros(b, max(max_new, 1))
         self.round = zeros()  # device-side round counter, the column of `accepted` to write
+        self.seq = zeros(b, seq_len)  # committed tokens at their positions (prompt, anchor, emitted): for lookup
+        self.looked = zeros(b, max(max_new, 1), dtype=torch.bool)  # per row and round: proposals came from lookup
         self.eos = zeros(n_eos)
         self.carry = zeros(b, k, n_feat, dtype=feat_dtype) if n_feat else None  # last verification's rows 1..k
         self.carry_valid = zeros(b, k, dtype=torch.bool)
@@ -69,7 +76,10 @@ class DecodeState:
         self.noise = zeros(b, 2 * k + 1, dtype=torch.float32)
         self.temperature = torch.ones((), dtype=torch.float32, device=device)
 
-    def reset(self, anchor, plen, eos):
+    def reset(self, anchor, plen, eos, prompt_tokens):
+        self.seq[:, : prompt_tokens.shape[1]].copy_(prompt_tokens)  # padding past a row's prompt: never read
+        self.seq.scatter_(1, plen[:, None], anchor[:, None])
+        self.looked.zero_()
         self.anchor.copy_(anchor)
         self.anchor_pos.copy_(plen)  # position of the first generated token
         self.out.zero_()
@@ -91,7 +101,7 @@ class DecodeState:
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor a round writes (state and both caches): what capture must snapshot and restore."""
         own = [self.anchor, self.anchor_pos, self.n_out, self.done, self.out, self.accepted, self.round,
-               self.carry_valid, self.carry_pos] + ([self.carry] if self.carry is not None else [])
+               self.carry_valid, self.carry_pos, self.seq, self.looked] + ([self.carry] if self.carry is not None else [])
         caches = self.cache.k + self.cache.v
         if self.dcache is not None:
             caches += self.dcache.keys + self.dcache.values
@@ -137,6 +147,7 @@ class SpeculativeEngine:
         params = inspect.signature(target.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.24
         self.rounds: list[list[int]] = []
+        self.lookup_rounds: list[list[bool]] = []
         self._steps: torch.Tensor | None = None  # arange(max_len) on the device, shared by every round
         self._caches: dict = {}  # b -> (TargetStaticCache, DrafterStaticCache | None)
         self._states: dict = {}  # (b, k, cap, n_eos) -> DecodeState
@@ -163,7 +174,7 @@ class SpeculativeEngine:
             n_feat = 0
             if self.drafter is not None:  # raw target features: tapped layers concatenated, in the target's dtype
                 n_feat = len(self.drafter.config.target_layer_ids) * self.target.config.get_text_config().hidden_size
-            self._states[key] = DecodeState(b, k, max_new, n_eos, self._caches[b], n_feat, dtype, dev)
+            self._states[key] = DecodeState(b, k, max_new, n_eos, self._caches[b], n_feat, dtype, dev, self.max_len)
         return self._states[key]
 
     # ------------------------------------------------------------------ target
@@ -202,20 +213,27 @@ class SpeculativeEngine:
 
     # ------------------------------------------------------------------ acceptance
     @staticmethod
-    def _accept(drafts, q, logits, do_sample, temperature, noise):
+    def _accept(drafts, q, logits, do_sample, temperature, noise, valid=None):
         """Accepted count a `[b]` and the token emitted after them `[b]` (correction or bonus). Sampling reads
-        `noise` `[b, 2k+1]`: columns k..2k-1 for the acceptance tests, 2k for the correction/bonus draw."""
+        `noise` `[b, 2k+1]`: columns k..2k-1 for the acceptance tests, 2k for the correction/bonus draw.
+        `valid` `[b, k]` (lookup rounds): slots that were not proposed; acceptance stops before the first, and there
+        the target's own distribution is sampled, as at a bonus slot (their q is zeroed)."""
         b, k = drafts.shape
         if not do_sample:
             choice = logits.argmax(-1)  # [b, k+1]
-            a = torch.cumprod((drafts == choice[:, :k]).long(), 1).sum(1)
+            match = drafts == choice[:, :k]
+            a = torch.cumprod((match if valid is None else match & valid).long(), 1).sum(1)
             return a, choice.gather(1, a[:, None])[:, 0]
         p = (logits / temperature).softmax(-1)  # [b, k+1, V]
         q = p[:, :0] if q is None else q  # plain AR: no drafts, [b, 0, V], so the bonus slot samples p itself
+        if valid is not None:
+            q = q * valid[..., None]
         pd = p[:, :k].gather(2, drafts[..., None])[..., 0]
         qd = q.gather(2, drafts[..., None])[..., 0]
         u = noise[:, k : 2 * k]
         ok = u * qd <= pd  # accept with probability min(1, p/q)
+        if valid is not None:
+            ok &= valid
         a = torch.cumprod(ok.long(), 1).sum(1)
         rows = torch.arange(b, device=drafts.device)
         p_a = p[rows, a]  # target distribution at the first rejected (or bonus) slot
@@ -226,10 +244,11 @@ class SpeculativeEngine:
         return a, nxt
 
     # ------------------------------------------------------------------ one round
-    def _round(self, st: DecodeState, do_sample=False, clock=None):
+    def _round(self, st: DecodeState, do_sample=False, clock=None, lookup=0):
         """One round for all rows: reads `st`, writes it (and the caches) in place. No host sync, no Python
         branch on tensor values, no shape that depends on the prompt: eager and captured rounds are the same code.
-        Sampled rounds read their uniforms and temperature from `st` (`st.draw` fills them before each round)."""
+        Sampled rounds read their uniforms and temperature from `st` (`st.draw` fills them before each round).
+        `lookup` > 0: context lookup of up to that many tokens (a Python int: one graph per value)."""
         clock = clock or _Clock(False, None, None)
         k, steps = st.k, self._steps
         clock.start()
@@ -239,22 +258,38 @@ class SpeculativeEngine:
                                     st.carry_valid if on else st.carry_valid[:, :0], st.noise, st.temperature,
                                     do_sample)
         else:
-            drafts, q = st.anchor[:, None][:, :0], None  # [b, 0]: plain autoregressive decoding
+            drafts, q = st.anchor[:, None].expand(-1, k), None  # [b, k]: k = 0 (plain decoding) or lookup filler
+        valid = None
+        if lookup:
+            look, n_look = batched_context_lookup(st.seq, st.anchor_pos + 1, k, lookup)  # [b, k], [b]
+            hit = n_look > 0
+            if self.drafter is not None:  # a miss keeps the drafted block, every slot proposed
+                n_look = torch.where(hit, n_look, torch.full_like(n_look, k))
+            valid = steps[None, :k] < n_look[:, None]  # [b, k]
+            drafts = torch.where(hit[:, None], look, drafts)
         clock.lap("draft")
         block = torch.cat([st.anchor[:, None], drafts], 1)  # [b, k+1]
         bpos = st.anchor_pos[:, None] + steps[: k + 1]
         logits, feats = self._target_forward(st.cache, block, bpos)
         clock.lap("verify")
-        a, nxt = self._accept(drafts, q, logits, do_sample, st.temperature, st.noise)
+        if lookup and do_sample:  # a looked-up token is proposed with certainty: a point mass
+            point = point_mass(look, logits.shape[-1])  # [b, k, V]
+            q = point if q is None else torch.where(hit[:, None, None], point, q)
+        a, nxt = self._accept(drafts, q, logits, do_sample, st.temperature, st.noise, valid)
         done, n_out = st.done, st.n_out  # this round's inputs; the new values are copied in at the end
         a_log = a  # accepted drafts as generate() counts them
-        if self.drafter is not None:
-            # the drafts generate() verifies (through the first EOS, within the length budget) and its count of
-            # accepted ones: so the logged rounds, and a Carryover drafter's next round, equal generate()'s. With no
-            # budget left generate() verifies without drafting, which is not a draft round: logged as -1 (no round)
+        if self.drafter is not None or lookup:
+            # the drafts generate() verifies (through the first EOS, within the length budget, within a lookup) and
+            # its count of accepted ones: so the logged rounds, and a Carryover drafter's next round, equal
+            # generate()'s. With no budget left generate() verifies without drafting, which is not a draft round:
+            # logged as -1 (no round)
             budget = st.max_new - n_out - 1  # [b]: tokens that can still be emitted after the anchor
-            a_log, n_drafted = accepted_as_generate_counts(a, drafts, st.eos, budget)
+            proposed = budget if valid is None else torch.minimum(budget, valid.sum(1))
+            a_log, n_drafted = accepted_as_generate_counts(a, drafts, st.eos, proposed)
             a_log = torch.where(budget > 0, a_log, torch.full_like(a, -1))
+        if lookup:
+            st.looked.scatter_(1, st.round.clamp(max=st.looked.shape[1] - 1).expand(st.b, 1), hit[:, None] & ~done[:, None])
+        if self.drafter is not None:
             st.dcache.write(self.drafter, self.drafter.fuse(feats), bpos)
             st.carry.copy_(feats[:, 1:])
             j = steps[1 : k + 1][None]
@@ -270,6 +305,9 @@ class SpeculativeEngine:
         keep &= idx <= first_eos[:, None]
         slots = (n_out[:, None] + idx).clamp(max=st.cap - 1)
         st.out.scatter_(1, slots, torch.where(keep, emitted, st.out.gather(1, slots)))
+        if lookup:  # the committed sequence grows by the kept tokens, after the anchor
+            at = (st.anchor_pos[:, None] + 1 + idx).clamp(max=st.seq.shape[1] - 1)
+            st.seq.scatter_(1, at, torch.where(keep, emitted, st.seq.gather(1, at)))
         col = st.round.clamp(max=st.accepted.shape[1] - 1).expand(st.b, 1)  # [b, 1]: this round's column
         st.accepted.scatter_(1, col, torch.where(done, torch.full_like(a, -1), a_log)[:, None])
         st.round.add_(1)
@@ -283,15 +321,26 @@ class SpeculativeEngine:
 
     # ------------------------------------------------------------------ loop
     @torch.no_grad()
-    def generate(self, prompts, max_new_tokens=256, do_sample=False, temperature=1.0, eos_token_id=None, seed=0):
-        """prompts: list of token-id lists. Returns a list of generated token lists (prompt excluded)."""
+    def generate(self, prompts, max_new_tokens=256, do_sample=False, temperature=1.0, eos_token_id=None, seed=0,
+                 prompt_lookup_num_tokens=None):
+        """prompts: list of token-id lists. Returns a list of generated token lists (prompt excluded).
+
+        prompt_lookup_num_tokens=N: context lookup (module docstring), transformers' argument name as in the
+        generate() path; with a drafter it proposes at most its block, without one N tokens a round. After the call
+        `self.lookup_rounds` holds, per row, which logged rounds proposed looked-up tokens."""
+        lookup = 0
+        if prompt_lookup_num_tokens is not None:
+            if int(prompt_lookup_num_tokens) < 1:
+                raise ValueError(f"prompt_lookup_num_tokens={prompt_lookup_num_tokens}: a lookup proposes at least "
+                                 "one token (None: off).")
+            lookup = int(prompt_lookup_num_tokens)
         t = self.target
         dev = next(t.parameters()).device
         dtype = next(t.parameters()).dtype
         gen = torch.Generator(device=dev).manual_seed(seed)
         b = len(prompts)
         plen = torch.tensor([len(p) for p in prompts], device=dev)
-        k = self.drafter.config.num_proposals if self.drafter is not None else 0
+        k = self.drafter.config.num_proposals if self.drafter is not None else lookup  # plain decoding: k = 0
         if int(plen.max()) + max_new_tokens + k + 2 > self.max_len:
             raise ValueError(f"max_len={self.max_len} is too small for prompts of {int(plen.max())} tokens + "
                              f"{max_new_tokens} new tokens + a block of {k}.")
@@ -313,10 +362,10 @@ class SpeculativeEngine:
             anchor = last.argmax(-1)
         if self.drafter is not None:
             st.dcache.write(self.drafter, self.drafter.fuse(feats), pos)
-        st.reset(anchor, plen, eos)
+        st.reset(anchor, plen, eos, toks)
         st.temperature.fill_(temperature)
 
-        graph, self.last_mode = self._graph(st, dev, do_sample)
+        graph, self.last_mode = self._graph(st, dev, do_sample, lookup)
         step = self._round_fn(do_sample)
         if graph is None and step is self._compiled_round:
             self.last_mode += " +compile"
@@ -330,9 +379,11 @@ class SpeculativeEngine:
             while not bool(st.done.all()):  # the one host sync per round (outputs stay on the device)
                 if do_sample:
                     st.draw(gen)
-                step(st, do_sample, clock)
+                step(st, do_sample, clock, lookup)
         log = st.accepted[:, : int(st.round)].tolist()
         self.rounds = [[x for x in row if x >= 0] for row in log]
+        looked = st.looked[:, : int(st.round)].tolist()
+        self.lookup_rounds = [[lk for x, lk in zip(row, lr) if x >= 0] for row, lr in zip(log, looked)]
         n_out = st.n_out.tolist()
         return [row[:n] for row, n in zip(st.out.tolist(), n_out)]
 
@@ -343,7 +394,7 @@ class SpeculativeEngine:
             return self._compiled_round
         return self._round
 
-    def _graph(self, st: DecodeState, dev, do_sample):
+    def _graph(self, st: DecodeState, dev, do_sample, lookup=0):
         """(captured round or None, mode string). Captures on the first call for this shape; a failed capture is
         remembered (and warned about once), and that shape then decodes eagerly, never with a broken graph."""
         if not self.cuda_graphs:
@@ -352,13 +403,13 @@ class SpeculativeEngine:
             return None, "eager (no CUDA)"
         if self.profile:  # phase timing needs syncs inside the round
             return None, "eager (profile)"
-        key = (st.b, st.k, st.cap, st.eos.numel(), do_sample)
+        key = (st.b, st.k, st.cap, st.eos.numel(), do_sample, lookup)
         if key not in self._graphs:
             if bool(st.done.all()):  # nothing to decode: do not capture on a finished state
                 return None, "eager (nothing to decode)"
             try:
                 step = self._round_fn(do_sample)
-                self._graphs[key] = capture_round(lambda: step(st, do_sample), st.tensors())
+                self._graphs[key] = capture_round(lambda: step(st, do_sample, None, lookup), st.tensors())
             except Exception as e:  # noqa: BLE001  (any capture error: decode eagerly instead)
                 self._graphs[key] = f"{type(e).__name__}: {e}"
                 warnings.warn(f"CUDA-graph capture failed for batch {st.b}; decoding eagerly: {self._graphs[key]}",
