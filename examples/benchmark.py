@@ -100,6 +100,13 @@ def run_hf(target, prompts, max_new, temperature=0.0, **kw):
             y, dt = _timed(lambda: target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
                                                    **sampling_kwargs(temperature), **kw))
             new = y.shape[1] - x.shape[1]
+            lookup = kw.get("prompt_lookup_num_tokens")
+            if drafter is not None and lookup and getattr(drafter.last_candidate_generator, "lookup_tokens", None) != lookup:
+                # a drafter folder saved before context lookup existed carries remote code that ignores the argument
+                # (2026-11-30h: such rows measured plain drafting under the lookup label)
+                raise SystemExit(f"{drafter.name_or_path}: its remote code ignores prompt_lookup_num_tokens (saved "
+                                 "before context lookup existed); copy hf_carryover's generation_carryover.py, "
+                                 "modeling_drafter.py and configuration_drafter.py into the folder")
             n_tok += new
             secs += dt
             if own_loop:
