@@ -12,6 +12,7 @@ Results file: the `summary.json` of `examples/evaluate_tau.py` (rows keyed "draf
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
@@ -91,41 +92,72 @@ def _measured_line(summary: dict) -> str:
                if "--engine" in summary.get("command", "") else "batch 1."))
 
 
+def _table(summaries, rows, sources, key, what="") -> list[str]:
+    """Markdown rows of one drafter label, each results file's command, and the files' names."""
+    lines = ["| dataset | T | prompts | draft rounds | τ |", "|---|---|---|---|---|"]
+    lines += [f"| {DATASETS.get(r['dataset'], (r['dataset'],))[0]} | {r['temperature']:g} | {r['prompts']} | "
+              f"{r['rounds']} | {r['tau']:.2f} |" for _, r in rows]
+    used = [s for s in summaries if any(s is u for u, _ in rows)]
+    for s in used:
+        temps = sorted({r["temperature"] for u, r in rows if u is s})
+        lead = "" if len(used) == 1 else "T=" + ", ".join(f"{t:g}" for t in temps) + ": "
+        lines.append(f"\n{lead}{_measured_line(s)}")
+    if sources:
+        lines.append(f"\nResults files{what} (hf_carryover repository): " + ", ".join(f"`{p}`" for p in sources)
+                     + f" (drafter `{key}`).")
+    return lines
+
+
+def _lookup_tokens(summaries, key) -> int | None:
+    """The N of `KEY=FOLDER,...,lookup=N` in the command that measured the lookup rows."""
+    for s in summaries:
+        m = re.search(rf"(?:^| ){re.escape(key)}=\S*,lookup=(\d+)", s.get("command", ""))
+        if m:
+            return int(m.group(1))
+    return None
+
+
 def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: dict | list[dict] | None = None,
                      drafter_key: str | None = None, training_text: str = "",
-                     sources: list[str] | None = None) -> ModelCard:
+                     sources: list[str] | None = None, lookup_summary: list[dict] | None = None,
+                     lookup_key: str | None = None, lookup_sources: list[str] | None = None) -> ModelCard:
     """Card for the drafter saved in `folder` (its config.json supplies the compatibility facts). `summary`: one
     results file or several (a run that measured T=0 and T=1 in separate calls); each row keeps its own command.
     `sources`: where those files are stored (repository paths); the card names them and `drafter_key`, so every τ on
-    it can be traced to its file (the label a run gave the drafter need not be its folder name)."""
+    it can be traced to its file (the label a run gave the drafter need not be its folder name).
+    `lookup_summary` / `lookup_key` / `lookup_sources`: the same drafter measured with context lookup
+    (`prompt_lookup_num_tokens=N`, N read from the command), shown as a second table and as `tau_lookup` metrics."""
     summaries = [] if summary is None else [summary] if isinstance(summary, dict) else list(summary)
+    lookup_summaries = list(lookup_summary or [])
     cfg = json.loads((Path(folder) / "config.json").read_text())
     rows = _rows(summaries, drafter_key) if drafter_key else []
+    lookup_rows = _rows(lookup_summaries, lookup_key) if lookup_key else []
+    n_lookup = _lookup_tokens(lookup_summaries, lookup_key) if lookup_rows else None
+    if lookup_rows and n_lookup is None:
+        raise ValueError(f"the lookup results' command has no `{lookup_key}=...,lookup=N` entry")
     evals = []
-    for s, r in rows:
-        ds_name, ds_id = DATASETS.get(r["dataset"], (r["dataset"], r["dataset"]))
-        evals.append(EvalResult(task_type="text-generation", task_name="speculative decoding",
-                                dataset_type=ds_id, dataset_name=ds_name,
-                                dataset_args={"temperature": r["temperature"],
-                                              "max_new_tokens": s.get("max_new_tokens")},
-                                metric_type="tau", metric_name=f"τ (mean accepted length), T={r['temperature']:g}",
-                                metric_value=round(r["tau"], 3)))
+    for kind, these in (("tau", rows), ("tau_lookup", lookup_rows)):
+        for s, r in these:
+            ds_name, ds_id = DATASETS.get(r["dataset"], (r["dataset"], r["dataset"]))
+            label = ("τ (mean accepted length)" if kind == "tau"
+                     else f"τ with context lookup (prompt_lookup_num_tokens={n_lookup})")
+            evals.append(EvalResult(task_type="text-generation", task_name="speculative decoding",
+                                    dataset_type=ds_id, dataset_name=ds_name,
+                                    dataset_args={"temperature": r["temperature"],
+                                                  "max_new_tokens": s.get("max_new_tokens")},
+                                    metric_type=kind, metric_name=f"{label}, T={r['temperature']:g}",
+                                    metric_value=round(r["tau"], 3)))
     data = ModelCardData(base_model=base_model, library_name="transformers", license="apache-2.0",
                          tags=["speculative-decoding", "hf_carryover", cfg["drafter_type"]]
                          + (["carryover"] if cfg.get("carryover") else []),
                          model_name=name, eval_results=evals or None)
     if rows:
-        lines = ["| dataset | T | prompts | draft rounds | τ |", "|---|---|---|---|---|"]
-        lines += [f"| {DATASETS.get(r['dataset'], (r['dataset'],))[0]} | {r['temperature']:g} | {r['prompts']} | "
-                  f"{r['rounds']} | {r['tau']:.2f} |" for _, r in rows]
-        used = [s for s in summaries if any(s is u for u, _ in rows)]
-        for s in used:
-            temps = sorted({r["temperature"] for u, r in rows if u is s})
-            lead = "" if len(used) == 1 else "T=" + ", ".join(f"{t:g}" for t in temps) + ": "
-            lines.append(f"\n{lead}{_measured_line(s)}")
-        if sources:
-            lines.append("\nResults files (hf_carryover repository): " + ", ".join(f"`{p}`" for p in sources)
-                         + f" (drafter `{drafter_key}`).")
+        lines = _table(summaries, rows, sources, drafter_key)
+        if lookup_rows:
+            lines += [f"\n### With context lookup (`prompt_lookup_num_tokens={n_lookup}`)\n",
+                      "Rounds whose committed context ends in a 3- or 4-gram seen earlier propose what followed it "
+                      "instead of the drafted block; the drafter drafts every other round. Lossless like drafting.\n"]
+            lines += _table(lookup_summaries, lookup_rows, lookup_sources, lookup_key, " with context lookup")
         results = "\n".join(lines)
     else:
         results = "Not measured yet."

@@ -57,3 +57,31 @@ def test_card_from_two_results_files_keeps_each_command(tmp_path):
     path = write_model_card(tmp_path, name="tiny", repo_id="org/tiny", base_model="org/target",
                             summary=[summary(0.0, "c0ffee0", 2.25)], drafter_key="x", sources=["results/a.json"])
     assert "Results files (hf_carryover repository): `results/a.json` (drafter `x`)." in path.read_text()
+
+
+def test_card_with_lookup_rows(tmp_path):
+    """Rows measured with context lookup get their own table, `tau_lookup` metrics, the N from the command, and their
+    own results-file line; a lookup file whose command names no `KEY=...,lookup=N` is refused."""
+    import pytest
+
+    tiny_drafter(tiny_target(), "dflash", carryover=False).save_pretrained(tmp_path)
+
+    def summary(command, key, tau):
+        return {"command": command, "max_new_tokens": 256, "environment": {"commit": "c0ffee0"},
+                "results": {f"{key}|mtbench|T=0.0": {"drafter": key, "dataset": "mtbench", "temperature": 0.0,
+                                                     "prompts": 80, "rounds": 900, "tau": tau}}}
+
+    plain = summary("python examples/evaluate_tau.py --engine --drafters x=F", "x", 2.0)
+    looked = summary("python examples/evaluate_tau.py --engine --drafters x=F x-lk=F,lookup=15", "x-lk", 2.7)
+    path = write_model_card(tmp_path, name="tiny", repo_id="org/tiny", base_model="org/target", summary=[plain],
+                            drafter_key="x", sources=["r/a.json"], lookup_summary=[looked], lookup_key="x-lk",
+                            lookup_sources=["r/b.json"])
+    evals = ModelCard.load(path).data.eval_results
+    assert [(r.metric_type, r.metric_value) for r in evals] == [("tau", 2.0), ("tau_lookup", 2.7)]
+    text = path.read_text()
+    assert "prompt_lookup_num_tokens=15" in text and "| 2.70 |" in text
+    assert "Results files with context lookup (hf_carryover repository): `r/b.json` (drafter `x-lk`)." in text
+    looked["command"] = "python examples/evaluate_tau.py --engine --drafters x-lk=F"
+    with pytest.raises(ValueError, match="lookup=N"):
+        write_model_card(tmp_path, name="tiny", repo_id="org/tiny", base_model="org/target", summary=[plain],
+                         drafter_key="x", lookup_summary=[looked], lookup_key="x-lk")

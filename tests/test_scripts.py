@@ -495,3 +495,28 @@ def test_lookup_hybrid_rules():
     assert sum(a + 1 for a in look) in (len(loop) - 1 - plen, len(loop) - 2 - plen) and max(look) == 3
     for rule in ("lookup", "hybrid", "drafter"):
         assert len(lh.replay(loop, plen, none, "both", 3)) <= len(lh.replay(loop, plen, none, rule, 3))
+
+
+def test_benchmark_refuses_lookup_rows_the_drafter_code_ignores(monkeypatch):
+    """A drafter folder saved before context lookup existed runs remote code that ignores prompt_lookup_num_tokens
+    (2026-11-30h: such rows measured plain drafting under the lookup label). run_hf must stop with the folder named,
+    and pass when the generator took the setting."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import benchmark
+    from conftest import build_drafter, build_target
+
+    target = build_target("llama")
+    drafter = build_drafter(target, "dflash", False)
+    prompts = [[3, 7, 1, 5, 3, 7, 1]]
+    res = benchmark.run_hf(target, prompts, 6, assistant_model=drafter, prompt_lookup_num_tokens=3)
+    assert res["tokens"] == 6
+    original = type(drafter).make_candidate_generator
+
+    def stale(self, *args, **kwargs):  # what an old folder's generator does: no lookup, whatever was asked
+        gen = original(self, *args, **kwargs)
+        gen.lookup_tokens = None
+        return gen
+
+    monkeypatch.setattr(type(drafter), "make_candidate_generator", stale)
+    with pytest.raises(SystemExit, match="ignores prompt_lookup_num_tokens"):
+        benchmark.run_hf(target, prompts, 6, assistant_model=drafter, prompt_lookup_num_tokens=3)

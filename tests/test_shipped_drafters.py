@@ -43,18 +43,23 @@ def test_card_tau_comes_from_a_results_file(folder):
     text = (folder / "README.md").read_text()
     meta = yaml.safe_load(text.split("---")[1])
     assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    card = sorted(m["value"] for r in meta["model-index"][0]["results"] for m in r["metrics"] if m["type"] == "tau")
-    # the card names its results files and the drafter's label in them (make_model_card.py --results --drafter_key)
-    found = re.search(r"Results files \(hf_carryover repository\): (.+) \(drafter `([^`]+)`\)\.", text)
-    assert found, "the card does not name its results files: regenerate it with trainer/make_model_card.py"
-    files, key = re.findall(r"`([^`]+)`", found.group(1)), found.group(2)
-    stored = set()
-    for f in files:
-        assert (ROOT / f).exists(), f"{folder.name}'s card names {f}, which is not in the repository"
-        for r in json.loads((ROOT / f).read_text())["results"].values():
-            if r["drafter"] == key:
-                stored.add(round(r["tau"], 3))
-    assert len(card) == 6 and set(card) <= stored, (card, sorted(stored))
+    metrics = [m for r in meta["model-index"][0]["results"] for m in r["metrics"]]
+    # the card names its results files and the drafter's label in them (make_model_card.py --results --drafter_key,
+    # and --lookup_results --lookup_key for the rows measured with context lookup)
+    for kind, what in (("tau", ""), ("tau_lookup", " with context lookup")):
+        card = sorted(m["value"] for m in metrics if m["type"] == kind)
+        found = re.search(rf"Results files{what} \(hf_carryover repository\): (.+) \(drafter `([^`]+)`\)\.", text)
+        if kind == "tau_lookup" and not found and not card:
+            continue  # no lookup rows on this card
+        assert found, f"the card does not name its {kind} results files: regenerate it with trainer/make_model_card.py"
+        files, key = re.findall(r"`([^`]+)`", found.group(1)), found.group(2)
+        stored = set()
+        for f in files:
+            assert (ROOT / f).exists(), f"{folder.name}'s card names {f}, which is not in the repository"
+            for r in json.loads((ROOT / f).read_text())["results"].values():
+                if r["drafter"] == key:
+                    stored.add(round(r["tau"], 3))
+        assert len(card) == 6 and set(card) <= stored, (kind, card, sorted(stored))
 
 
 @pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.name)

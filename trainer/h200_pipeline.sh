@@ -55,6 +55,10 @@
 # .vllm/drafters/dflash-baseline, runs/regen); prep + two gated stage2 phases side by side (S2_INIT=dflash-stage1
 # S2_RUNS=carryover S2_GPU=0/1, CARRY_EXTRA="--carryover_gate -6" / "-3") + tau; three engine calls (one beside a T=1
 # tau); a 600-step stage2 pair + tau; ~25 device-minutes.
+# Eighth run of 2026-11-30 (examples/results/h200-2026-11-30h/), no training: vllmstash
+# (.device/p1, assets/prompts); vllmstash (.vllm/drafters: the two shipped drafters); prep + tau with lookup=15 entries;
+# four engine calls with --lookup 15 (engine_lookup / engine_pld / hf_spec_lookup rows); ~26 device-minutes, two starts.
+# vllmstash now refreshes the stashed folders' remote code: a folder saved by an older commit runs its own copy.
 # With drafter weights committed in model_cards/, run `bash trainer/device_tree.sh light` before the calls.
 # Checkpoints: stage2 packs all four drafters in bf16 and queues them as tar parts (DFlash pair first); each call
 # ships the oldest 4 parts.
@@ -397,6 +401,10 @@ vllmstash)
   fi
   for d in .vllm/drafters/*/; do [ -d "$d" ] && mkdir -p "$A/drafters" && rm -rf "$A/drafters/$(basename $d)" \
     && cp -r "$d" "$A/drafters/" && log "stashed drafter $(basename $d)"; done
+  # a folder saved by an older commit carries that commit's remote code, which generate() runs (2026-11-30h: it ignored
+  # prompt_lookup_num_tokens); measure with this commit's code
+  for d in $A/drafters/*/; do [ -f "$d/generation_carryover.py" ] && \
+    cp hf_carryover/{modeling_drafter,configuration_drafter,generation_carryover}.py "$d"; done
   [ -f .device/p1/part00 ] && cp .device/p1/part00 "$A/" && log "stashed GGUF part 1"
   [ -d assets/prompts ] && rm -rf "$A/prompts" && cp -r assets/prompts "$A/prompts" && log "stashed prompts"
   (nvidia-smi -L || echo "no nvidia-smi") > "$R/gpu.txt"

@@ -20,13 +20,18 @@ def main():
     p.add_argument("--results", nargs="+", help="summary.json file(s) of examples/evaluate_tau.py (e.g. T=0, then T=1)")
     p.add_argument("--drafter_key", help="drafter name used in the results file")
     p.add_argument("--training_file", help="markdown describing data and procedure")
+    p.add_argument("--lookup_results", nargs="+", help="summary.json file(s) measuring the drafter with context lookup "
+                   "(an evaluate_tau.py spec `KEY=FOLDER,lookup=N`)")
+    p.add_argument("--lookup_key", help="the drafter's label in --lookup_results")
     args = p.parse_args()
     name = args.name or Path(args.folder).name
     summary = [json.loads(Path(f).read_text()) for f in args.results] if args.results else None
     training = Path(args.training_file).read_text() if args.training_file else ""
     path = write_model_card(args.folder, name=name, repo_id=args.repo_id or f"hf-carryover/{name}",
                             base_model=args.base_model, summary=summary, drafter_key=args.drafter_key,
-                            training_text=training, sources=args.results)
+                            training_text=training, sources=args.results,
+                            lookup_summary=[json.loads(Path(f).read_text()) for f in args.lookup_results or []],
+                            lookup_key=args.lookup_key, lookup_sources=args.lookup_results)
     print(f"wrote {path}")
 
 
