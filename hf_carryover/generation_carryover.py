@@ -150,9 +150,12 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         if n_prop <= 0:
             return input_ids, None
         if self.lookup_tokens:
-            look, _ = context_lookup(input_ids[0, self._pad_offset:].tolist(), min(n_prop, self.lookup_tokens))
-            if look:
-                return self._lookup_round(input_ids, look, model_outputs)
+            seq = input_ids[:, self._pad_offset :]
+            num = min(n_prop, self.lookup_tokens)
+            look, n_look, _ = batched_context_lookup(seq, torch.tensor([seq.shape[1]], device=seq.device), num, num)
+            m = int(n_look[0])  # the round's one sync for lookup
+            if m:
+                return self._lookup_round(input_ids, look[:, :m], model_outputs)
         anchor = input_ids[:, -1:].to(device)
         hidden = drafter.draft_hidden(anchor, input_ids.shape[1] - 1 - self._pad_offset, self.cache, carry, carry_pos)
         hidden = hidden[:, drafter.proposal_rows()][:, :n_prop]  # [1, n_prop, d]
@@ -165,14 +168,14 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         candidate = torch.cat([input_ids, tokens.to(input_ids.device)], dim=-1)
         return candidate, logits.to(input_ids.device)
 
-    def _lookup_round(self, input_ids, look: list[int], model_outputs):
+    def _lookup_round(self, input_ids, look: torch.Tensor, model_outputs):
         """Propose tokens copied from the context. Their distribution is a point mass (logits 0 on the token, -inf
         elsewhere), so speculative sampling accepts each with the target's probability and resamples from the
         target's distribution without it: the target's law, as for drafted proposals."""
         logits_out = getattr(model_outputs, "logits", None)
         vocab = logits_out.shape[-1] if logits_out is not None else self.config.vocab_size
-        tokens = torch.tensor([look], dtype=torch.long, device=input_ids.device)  # [1, m]
-        logits = torch.full((1, len(look), vocab), float("-inf"), device=input_ids.device)
+        tokens = look.to(input_ids.device)  # [1, m]
+        logits = torch.full((1, tokens.shape[1], vocab), float("-inf"), device=input_ids.device)
         logits.scatter_(2, tokens[..., None], 0.0)  # [1, m, V]
         tokens, logits = self._crop_at_eos(tokens, logits)
         self.rounds.append({"proposals": tokens.shape[1], "accepted": 0, "source": "lookup"})
@@ -208,19 +211,49 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         return tokens[:, :n], logits[:, :n]
 
 
-def context_lookup(tokens: list[int], num: int, max_ngram: int = 4, min_ngram: int = 3) -> tuple[list[int], int]:
-    """Prompt lookup over a committed sequence: the tokens that followed the earliest earlier occurrence of its last n
-    tokens (n = max_ngram down to min_ngram), at most `num` and from the sequence only. Returns (tokens, n), or ([], 0)
-    without a match. The earliest match is transformers' choice too; in a loop it gives the longest continuation."""
-    t = len(tokens) - 1
+def batched_context_lookup(seq: torch.Tensor, length: torch.Tensor, k: int, num: int, max_ngram: int = 4,
+                           min_ngram: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Context lookup for a batch of committed sequences: per row, up to min(k, num) tokens that followed the earliest
+    earlier occurrence of the row's last n tokens (n = max_ngram down to min_ngram; a longer match wins), copied from
+    the row's committed sequence only. The earliest match is transformers' prompt-lookup choice too; in a loop it
+    gives the longest continuation.
+
+    seq `[b, S]`: committed tokens at their positions (anything past a row's length is ignored); length `[b]`: the
+    row's committed tokens, the anchor included. Returns (tokens `[b, k]`, n `[b]`, ngram `[b]`): the first n tokens of
+    a row are the lookup (n = 0: no match; the rest is filler that must never be accepted), found by an ngram-token
+    match (0: none).
+
+    Every row compares its last n tokens with all windows at once: a few broadcast compares over `[b, S]`, no host
+    sync and no shape that depends on the match, so the engine's captured round runs it as is, and the generate()
+    path pays one small kernel sequence per round instead of a Python scan of the whole sequence."""
+    b, S = seq.shape
+    steps = torch.arange(max(S, k, max_ngram), device=seq.device)
+    padded = torch.cat([seq, seq.new_zeros(b, max_ngram)], 1)  # [b, S + max_ngram]: windows past S read padding
+    found = torch.zeros(b, dtype=torch.bool, device=seq.device)
+    start = torch.zeros(b, dtype=torch.long, device=seq.device)  # where the copied continuation starts (s + n)
+    ngram = torch.zeros(b, dtype=torch.long, device=seq.device)
     for n in range(max_ngram, min_ngram - 1, -1):
-        if t < n:
-            continue
-        suffix = tokens[t - n + 1 :]
-        for s in range(0, t - n + 1):  # matches ending before the sequence's end
-            if tokens[s : s + n] == suffix:
-                return tokens[s + n : s + n + num], n
-    return [], 0
+        suffix = seq.gather(1, (length[:, None] - n + steps[:n]).clamp(0, S - 1))  # [b, n]: the row's last n tokens
+        match = steps[None, :S] <= (length - 1 - n)[:, None]  # [b, S]: windows [s, s+n) ending before the last token
+        for i in range(n):
+            match &= padded[:, i : i + S] == suffix[:, i : i + 1]
+        hit = match.any(1) & ~found
+        start = torch.where(hit, match.long().argmax(1) + n, start)  # argmax: the earliest True
+        ngram = torch.where(hit, torch.full_like(ngram, n), ngram)
+        found |= hit
+    n_tok = torch.where(found, (length - start).clamp(max=min(k, num)), torch.zeros_like(start))
+    tokens = seq.gather(1, (start[:, None] + steps[:k]).clamp(max=S - 1))  # [b, k]
+    return tokens, n_tok, ngram
+
+
+def context_lookup(tokens: list[int], num: int, max_ngram: int = 4, min_ngram: int = 3) -> tuple[list[int], int]:
+    """`batched_context_lookup` for one token list: (the looked-up tokens, the matched n-gram size), or ([], 0)."""
+    if not tokens or num < 1:
+        return [], 0
+    look, n_tok, ngram = batched_context_lookup(torch.tensor([tokens]), torch.tensor([len(tokens)]), num, num,
+                                                max_ngram, min_ngram)
+    m = int(n_tok[0])
+    return (look[0, :m].tolist(), int(ngram[0])) if m else ([], 0)
 
 
 def eos_tensor(eos_token_id) -> torch.Tensor:
@@ -301,4 +334,4 @@ def enable(target):
 
 
 __all__ = ["CarryoverCandidateGenerator", "install_generate_hook", "enable", "eos_tensor", "drafts_through_eos",
-           "accepted_as_generate_counts", "context_lookup"]
+           "accepted_as_generate_counts", "batched_context_lookup", "context_lookup"]

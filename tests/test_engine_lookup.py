@@ -16,23 +16,37 @@ from test_sampling import ALPHA, NEW, PURE, _drafter, _pvalues, _target
 
 from hf_carryover.engine import engine as engine_mod
 from hf_carryover.engine.engine import SpeculativeEngine
-from hf_carryover.engine.lookup import batched_context_lookup
-from hf_carryover.generation_carryover import context_lookup
+from hf_carryover.generation_carryover import batched_context_lookup, context_lookup
+
+
+def naive_lookup(tokens, num, max_ngram=4, min_ngram=3):
+    """The rule written as plainly as possible: the longest suffix n-gram (max_ngram..min_ngram) that occurs earlier,
+    its earliest occurrence, and up to `num` tokens that follow it inside the sequence."""
+    t = len(tokens) - 1
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if t < n:
+            continue
+        for s in range(0, t - n + 1):
+            if tokens[s : s + n] == tokens[t - n + 1 :]:
+                return tokens[s + n : s + n + num], n
+    return [], 0
 
 
 def test_batched_lookup_equals_the_list_lookup():
     """Random short sequences over a 3-token alphabet (so 3- and 4-gram repeats are common, with and without a
-    longer match), padded with junk past each row's length: every row's tokens and count equal the list rule's."""
+    longer match), padded with junk past each row's length: every row's tokens, count and matched n-gram equal the
+    plain rule's, and so do the list wrapper's (the generate() path and the offline replay use them)."""
     rng = random.Random(0)
     for k, num in [(5, 5), (5, 3), (8, 20)]:
         rows = [[rng.randrange(3) for _ in range(rng.randrange(1, 40))] for _ in range(64)]
         S = 40
         seq = torch.tensor([r + [rng.randrange(4, 9) for _ in range(S - len(r))] for r in rows])
-        tokens, n = batched_context_lookup(seq, torch.tensor([len(r) for r in rows]), k, num)
+        tokens, n, ngram = batched_context_lookup(seq, torch.tensor([len(r) for r in rows]), k, num)
         hits = 0
-        for r, t, m in zip(rows, tokens.tolist(), n.tolist()):
-            ref, _ = context_lookup(r, min(k, num))
-            assert t[:m] == ref, (r, t, m, ref)
+        for r, t, m, g in zip(rows, tokens.tolist(), n.tolist(), ngram.tolist()):
+            ref = naive_lookup(r, min(k, num))
+            assert (t[:m], g if m else 0) == ref, (r, t, m, g, ref)
+            assert context_lookup(r, min(k, num)) == ref
             hits += m > 0
         assert 10 < hits < 64  # both outcomes occur
 

@@ -10,7 +10,8 @@ Every round, for all b rows at once:
      prefix stay invisible and are overwritten later); rows a+1..k become the next round's carryover (rows past a
      drafted EOS excepted: generate() never verifies those).
 With `prompt_lookup_num_tokens=N` (context lookup, as in the generate() path) a row whose committed sequence ends
-in a 3- or 4-gram seen earlier proposes the tokens that followed it instead of its drafted block (`lookup.py`);
+in a 3- or 4-gram seen earlier proposes the tokens that followed it instead of its drafted block
+(`generation_carryover.batched_context_lookup`, the generate() path's own rule, run on the device);
 the drafter still drafts every row (a fixed-shape round cannot skip it for some rows), and slots past a shorter
 lookup are marked invalid, so they are never accepted. Without a drafter this is prompt-lookup decoding.
 No tensor changes shape between rounds; rollback is moving a row's position. Without a drafter the same loop
@@ -29,9 +30,8 @@ import warnings
 
 import torch
 
-from ..generation_carryover import accepted_as_generate_counts, eos_tensor
+from ..generation_carryover import accepted_as_generate_counts, batched_context_lookup, eos_tensor
 from .graphs import capture_round
-from .lookup import batched_context_lookup, point_mass
 from .static_cache import DrafterStaticCache, TargetStaticCache
 
 
@@ -261,7 +261,7 @@ class SpeculativeEngine:
             drafts, q = st.anchor[:, None].expand(-1, k), None  # [b, k]: k = 0 (plain decoding) or lookup filler
         valid = None
         if lookup:
-            look, n_look = batched_context_lookup(st.seq, st.anchor_pos + 1, k, lookup)  # [b, k], [b]
+            look, n_look, _ = batched_context_lookup(st.seq, st.anchor_pos + 1, k, lookup)  # [b, k], [b]
             hit = n_look > 0
             if self.drafter is not None:  # a miss keeps the drafted block, every slot proposed
                 n_look = torch.where(hit, n_look, torch.full_like(n_look, k))
@@ -460,6 +460,12 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1:]
     x = torch.minimum(u[:, None].float() * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, x, right=True)[:, 0]
+
+
+def point_mass(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The proposal distribution of looked-up tokens `[b, k]`: all mass on the token, `[b, k, vocab]` float32. A
+    scatter rather than `one_hot`, whose value checks would sync on some devices."""
+    return torch.zeros(*tokens.shape, vocab, device=tokens.device).scatter_(-1, tokens[..., None], 1.0)
 
 
 def predicted_speedup(tau: float, t_draft: float, t_verify: float, t_ar_step: float) -> float:
