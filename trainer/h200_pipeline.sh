@@ -433,9 +433,10 @@ vllm)
       --target $S/target ${EXPORTS:+--drafter_export $EXPORTS} --num_speculative_tokens ${VLLM_K:-15} $B \
       ${VLLM_EXTRA:-} > "$L/bench_vllm.log" 2>&1 || log "vllm bench stopped: $?"
   }
-  engine_bench() {  # our engine, same bf16 weights file, CUDA graphs
+  engine_bench() {  # our engine, same bf16 weights file, CUDA graphs; ENGINE_METHODS="engine_ar engine engine_lookup"
+    # with ENGINE_FLAGS="--compile --lookup 15" adds the context-lookup rows
     CUDA_VISIBLE_DEVICES=$1 timeout ${ENGINE_SECONDS:-$2} python3 examples/benchmark.py --target $S/target \
-      ${ENGINE_D:+--drafters $ENGINE_D} --methods engine_ar engine --cuda_graphs ${ENGINE_FLAGS:-} $B > "$L/bench_engine.log" 2>&1 \
+      ${ENGINE_D:+--drafters $ENGINE_D} --methods ${ENGINE_METHODS:-engine_ar engine} --cuda_graphs ${ENGINE_FLAGS:-} $B > "$L/bench_engine.log" 2>&1 \
       || log "engine bench stopped: $?"
   }
   gpu1_extra() {  # after the engine rows on GPU 1 (VLLM_GPU1_EXTRA=1): compile exactness in fp32 on a random
