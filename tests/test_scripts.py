@@ -520,3 +520,26 @@ def test_benchmark_refuses_lookup_rows_the_drafter_code_ignores(monkeypatch):
     monkeypatch.setattr(type(drafter), "make_candidate_generator", stale)
     with pytest.raises(SystemExit, match="ignores prompt_lookup_num_tokens"):
         benchmark.run_hf(target, prompts, 6, assistant_model=drafter, prompt_lookup_num_tokens=3)
+
+
+def test_datastore_lookup_rules():
+    """The corpus n-gram tables: `first` copies what followed an n-gram's first occurrence, `walk` follows the most
+    frequent next token (backing off to shorter n-grams), a longer match wins, and no match proposes nothing; the
+    best-of-three rule is never below the rules it picks from."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import datastore_lookup_offline as dl
+
+    docs = [[1, 2, 3, 4, 5, 6], [9, 2, 3, 4, 7, 7], [0, 2, 3, 4, 7, 8]]
+    store = dl.Datastore(docs, max_ngram=4, min_ngram=3)
+    assert store.propose([8, 2, 3, 4], 2, "first") == ([5, 6], 3)  # (2, 3, 4) first seen in doc 0
+    # 7 follows (2, 3, 4) twice and 5 once; then (2, 3, 4, 7) is followed by 7 and by 8 once each (the first seen
+    # wins the tie); (3, 4, 7, 7) and (4, 7, 7) end a document, so the walk stops short of the 3 tokens asked
+    assert store.propose([8, 2, 3, 4], 3, "walk") == ([7, 7], 3)
+    assert store.propose([9, 2, 3, 4], 2, "first") == ([7, 7], 4)  # the 4-gram (9, 2, 3, 4) wins
+    assert store.propose([5, 5, 5], 2, "first") == ([], 0)
+    tokens = [1, 2] + [2, 3, 4, 7, 7, 8, 2, 3, 4, 7, 7]
+    props = torch.zeros(len(tokens) - 1 - 2, 3, dtype=torch.long)
+    rounds = dl.replay_rules(tokens, 2, props, store)
+    for rule in ("drafter", "hybrid", "hybrid_ds_first", "hybrid_ds_walk"):
+        assert len(rounds["best_of_3"]) <= len(rounds[rule])
+    assert len(rounds["hybrid_ds_walk"]) < len(rounds["drafter"])  # the corpus continuation is accepted sometimes
