@@ -14,8 +14,9 @@ At T=0 the emitted tokens are the target's greedy rollout whatever is proposed, 
 one rollout per prompt (as in `lookup_hybrid_offline.py`, whose replay conventions this reuses):
 - `drafter`, `hybrid` (context lookup where a 3- or 4-gram match exists, else the drafter): the baselines;
 - `hybrid_ds_<way>`: context lookup, else the datastore where it matches, else the drafter;
-- `best_of_3`: the best of drafter, context lookup and datastore (`first`) per round: an upper bound for rules that
-  pick one candidate (a tree verifying all three would reach it at three times the verified rows).
+- `best_of_3`: the best of drafter, context lookup and datastore (`first`) in every round: what a tree verifying all
+  three would reach at three times the verified rows (a per-round choice; not strictly an upper bound of the
+  single-candidate rules, whose rounds start at other anchors).
 """
 
 from __future__ import annotations

@@ -524,8 +524,8 @@ def test_benchmark_refuses_lookup_rows_the_drafter_code_ignores(monkeypatch):
 
 def test_datastore_lookup_rules():
     """The corpus n-gram tables: `first` copies what followed an n-gram's first occurrence, `walk` follows the most
-    frequent next token (backing off to shorter n-grams), a longer match wins, and no match proposes nothing; the
-    best-of-three rule is never below the rules it picks from."""
+    frequent next token (backing off to shorter n-grams), a longer match wins, and no match proposes nothing; from
+    the same anchor the best-of-three round accepts at least what each single rule's round does."""
     sys.path.insert(0, str(ROOT / "examples"))
     import datastore_lookup_offline as dl
 
@@ -541,5 +541,5 @@ def test_datastore_lookup_rules():
     props = torch.zeros(len(tokens) - 1 - 2, 3, dtype=torch.long)
     rounds = dl.replay_rules(tokens, 2, props, store)
     for rule in ("drafter", "hybrid", "hybrid_ds_first", "hybrid_ds_walk"):
-        assert len(rounds["best_of_3"]) <= len(rounds[rule])
+        assert rounds["best_of_3"][0] >= rounds[rule][0]  # first round: the same anchor for every rule
     assert len(rounds["hybrid_ds_walk"]) < len(rounds["drafter"])  # the corpus continuation is accepted sometimes
