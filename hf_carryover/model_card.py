@@ -92,9 +92,9 @@ def _measured_line(summary: dict) -> str:
                if "--engine" in summary.get("command", "") else "batch 1."))
 
 
-def _table(summaries, rows, sources, key, what="") -> list[str]:
+def _table(summaries, rows, sources, key, what="", rounds="draft rounds") -> list[str]:
     """Markdown rows of one drafter label, each results file's command, and the files' names."""
-    lines = ["| dataset | T | prompts | draft rounds | τ |", "|---|---|---|---|---|"]
+    lines = [f"| dataset | T | prompts | {rounds} | τ |", "|---|---|---|---|---|"]
     lines += [f"| {DATASETS.get(r['dataset'], (r['dataset'],))[0]} | {r['temperature']:g} | {r['prompts']} | "
               f"{r['rounds']} | {r['tau']:.2f} |" for _, r in rows]
     used = [s for s in summaries if any(s is u for u, _ in rows)]
@@ -157,7 +157,8 @@ def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: 
             lines += [f"\n### With context lookup (`prompt_lookup_num_tokens={n_lookup}`)\n",
                       "Rounds whose committed context ends in a 3- or 4-gram seen earlier propose what followed it "
                       "instead of the drafted block; the drafter drafts every other round. Lossless like drafting.\n"]
-            lines += _table(lookup_summaries, lookup_rows, lookup_sources, lookup_key, " with context lookup")
+            lines += _table(lookup_summaries, lookup_rows, lookup_sources, lookup_key, " with context lookup",
+                            "rounds (drafted or looked up)")
         results = "\n".join(lines)
     else:
         results = "Not measured yet."
