@@ -90,3 +90,18 @@ def test_bad_lookup_setting_is_named():
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens=0"):
         target.generate(torch.tensor([[3, 7, 1]]), assistant_model=drafter, max_new_tokens=4,
                         prompt_lookup_num_tokens=0)
+
+
+def test_lookup_length_is_its_own_knob():
+    """num_assistant_tokens limits drafted rounds only: with 2 drafted proposals a round, looked-up rounds still copy up
+    to prompt_lookup_num_tokens (within the block), and the output stays plain greedy decoding."""
+    target = build_target("llama")
+    ids = torch.tensor([[3, 7, 1, 5, 3, 7, 1, 5, 3, 7, 1]])
+    ref = greedy(target, ids, 30)
+    drafter = build_drafter(target, "dflash", True, block_size=8)
+    out = target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False, num_assistant_tokens=2,
+                          prompt_lookup_num_tokens=6)
+    assert torch.equal(out, ref)
+    rounds = drafter.last_candidate_generator.rounds
+    assert all(r["proposals"] <= 2 for r in rounds if r.get("source") != "lookup")
+    assert max(r["proposals"] for r in rounds if r.get("source") == "lookup") > 2

@@ -72,7 +72,8 @@ class CarryoverCandidateGenerator(CandidateGenerator):
                              "'heuristic_transient'.")
         # transformers' prompt-lookup knob, here a hybrid: a round whose context ends in a 3- or 4-gram seen earlier
         # proposes what followed it (up to this many tokens, within the block) instead of drafting; else the drafter
-        # drafts. The reference target's greedy responses loop, and its drafter continues loops poorly
+        # drafts. The two lengths are separate knobs, as in transformers: num_assistant_tokens (and its schedule) sets
+        # drafted rounds only, so short drafts (cheap where a verified row costs, e.g. a CPU) can go with long copies. The reference target's greedy responses loop, and its drafter continues loops poorly
         # (examples/lookup_hybrid_offline.py). Lossless: a looked-up proposal is a point mass, which the verifier
         # accepts with the target's own probability of that token.
         lt = getattr(generation_config, "prompt_lookup_num_tokens", None)
@@ -102,7 +103,7 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         method must not be used)."""
         if self._pending:
             self.rounds[-1]["accepted"] = int(num_matches)
-            if self.schedule != "constant":
+            if self.schedule != "constant" and self.rounds[-1].get("source") != "lookup":  # drafted rounds only
                 all_kept = int(num_matches) >= self.rounds[-1]["proposals"]
                 self.max_proposals = (min(self.max_proposals + 2, self.config.num_proposals) if all_kept
                                       else max(1, self.max_proposals - 1))
@@ -151,7 +152,7 @@ class CarryoverCandidateGenerator(CandidateGenerator):
             return input_ids, None
         if self.lookup_tokens:
             seq = input_ids[:, self._pad_offset :]
-            num = min(n_prop, self.lookup_tokens)
+            num = min(self.config.num_proposals, budget, self.lookup_tokens)  # not capped by num_assistant_tokens
             look, n_look, _ = batched_context_lookup(seq, torch.tensor([seq.shape[1]], device=seq.device), num, num)
             m = int(n_look[0])  # the round's one sync for lookup
             if m:
