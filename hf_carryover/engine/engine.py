@@ -216,8 +216,8 @@ class SpeculativeEngine:
     def _accept(drafts, q, logits, do_sample, temperature, noise, valid=None):
         """Accepted count a `[b]` and the token emitted after them `[b]` (correction or bonus). Sampling reads
         `noise` `[b, 2k+1]`: columns k..2k-1 for the acceptance tests, 2k for the correction/bonus draw.
-        `valid` `[b, k]` (lookup rounds): slots that were not proposed; acceptance stops before the first, and there
-        the target's own distribution is sampled, as at a bonus slot (their q is zeroed)."""
+        `valid` `[b, k]` (lookup rounds): which slots were proposed. Acceptance stops at the first unproposed slot,
+        and there the target's own distribution is sampled, as at a bonus slot (its q is zeroed)."""
         b, k = drafts.shape
         if not do_sample:
             choice = logits.argmax(-1)  # [b, k+1]
