@@ -233,7 +233,7 @@ def main():
         methods += [(f"engine_pld@{b}", lambda pr, b=b: eng(None, None, pr, b, args.lookup)) for b in args.batch_sizes]
     methods += [("hf_eager", lambda pr: hf(pr))]
     methods += [(f"hf_spec:{n}", lambda pr, d=d: hf(pr, assistant_model=d)) for n, d in drafters.items()]
-    if args.lookup:  # our generate() path with context lookup (copies loops from the context; generate() only)
+    if args.lookup:  # our generate() path with context lookup (copies loops from the context)
         methods += [(f"hf_spec_lookup:{n}",
                      lambda pr, d=d: hf(pr, assistant_model=d, prompt_lookup_num_tokens=args.lookup))
                     for n, d in drafters.items()]
