@@ -460,6 +460,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
   # ~/assets/drafters, stashed by vllmstash carrying .vllm/drafters, else runs/NAME/final), datasets, flags that
   # override the defaults below (e.g. --compile, --limit 32 --batch_sizes 1 2 4 8 16, --temperature 1) and an optional
   # fifth field, the job's time box in seconds (default ENGINE_BOX). The job
+  # "profile" splits a generate() round's time on the GPU (examples/profile_generate.py --device cuda); the job
   # "check" runs the fp32 exactness check of compiled rounds (CHECK_SECONDS, CHECK_KINDS, CHECK_BATCHES): a random
   # drafter, or with CHECK_DRAFTER=NAME a trained one on the real target, also against plain greedy decoding.
   # Each job's rows land in $R/<HHMMSS of this call>_gpu<g>_<job>/bench_raw.jsonl (a later call on the same warm
@@ -483,6 +484,14 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
       CUDA_VISIBLE_DEVICES=$1 timeout ${CHECK_SECONDS:-200} $(pin $1) python3 trainer/gpu_engine_check.py --compile --dtypes fp32 \
         --kinds ${CHECK_KINDS:-dflash} --batch_sizes ${CHECK_BATCHES:-1} $T --out $R/${stamp}_engine_check_fp32.json \
         > "$L/check_$stamp.log" 2>&1 || log "engine check stopped: $?"
+      flush; return
+    fi
+    if [ "$3" = profile ]; then  # where a generate() round's time goes on the GPU (bf16, batch 1): target forwards,
+      # our candidate generator, transformers' loop; PROFILE_DRAFTER (default dflash-carryover-gated), with and without lookup
+      f=$A/drafters/${PROFILE_DRAFTER:-dflash-carryover-gated}; [ -d $f ] || f=$A/runs/${PROFILE_DRAFTER:-}/final
+      CUDA_VISIBLE_DEVICES=$1 timeout ${PROFILE_SECONDS:-200} $(pin $1) python3 examples/profile_generate.py --device cuda \
+        --drafter $f --num_assistant_tokens 15 4 --lookup 15 --max_new_tokens 128 --out $R/${stamp}_profile_gpu$1.json \
+        > "$L/profile_$stamp.log" 2>&1 || log "profile stopped: $?"
       flush; return
     fi
     IFS='|' read -r m d ds fl box <<< "$3"; D=""
