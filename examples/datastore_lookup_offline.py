@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lookup_hybrid_offline import accepted, drafter_proposals, lookup_proposals  # noqa: E402
+from lookup_hybrid_offline import accepted, lookup_proposals, rollouts, walk_rounds  # noqa: E402
 
 
 class Datastore:
@@ -75,33 +75,24 @@ class Datastore:
 def replay_rules(tokens: list[int], plen: int, props: torch.Tensor, store: Datastore) -> dict[str, list[int]]:
     """Accepted drafts per round for every rule, each rule on its own path through the same rollout."""
     rules = ["drafter", "hybrid", "hybrid_ds_first", "hybrid_ds_walk", "best_of_3"]
-    out = {}
-    P, L = props.shape[1], len(tokens)
-    for rule in rules:
-        rounds, t = [], plen
-        while t < L - 1:
-            room = min(P, L - 2 - t)
-            if room <= 0:
-                break
-            d = props[t - plen, :room].tolist()
-            look, n = lookup_proposals(tokens, t, room, min_ngram=3)
-            if rule == "drafter":
-                a = accepted(d, tokens, t)
-            elif rule == "hybrid":
-                a = accepted(look if n else d, tokens, t)
-            elif rule.startswith("hybrid_ds"):
-                if n:
-                    a = accepted(look, tokens, t)
-                else:
-                    ds, m = store.propose(tokens[: t + 1], room, rule.rsplit("_", 1)[1])
-                    a = accepted(ds if m else d, tokens, t)
-            else:
-                ds, _ = store.propose(tokens[: t + 1], room, "first")
-                a = max(accepted(d, tokens, t), accepted(look, tokens, t), accepted(ds, tokens, t))
-            rounds.append(a)
-            t += a + 1
-        out[rule] = rounds
-    return out
+
+    def accept_at(rule, t, room):
+        d = props[t - plen, :room].tolist()
+        look, n = lookup_proposals(tokens, t, room, min_ngram=3)
+        if rule == "drafter":
+            return accepted(d, tokens, t)
+        if rule == "best_of_3":
+            ds, _ = store.propose(tokens[: t + 1], room, "first")
+            return max(accepted(d, tokens, t), accepted(look, tokens, t), accepted(ds, tokens, t))
+        if n:  # the hybrid rules: context lookup first
+            return accepted(look, tokens, t)
+        if rule == "hybrid":
+            return accepted(d, tokens, t)
+        ds, m = store.propose(tokens[: t + 1], room, rule.rsplit("_", 1)[1])  # hybrid_ds_first / hybrid_ds_walk
+        return accepted(ds if m else d, tokens, t)
+
+    return {rule: walk_rounds(tokens, plen, props.shape[1], lambda t, room, rule=rule: accept_at(rule, t, room))
+            for rule in rules}
 
 
 def main(argv=None):
@@ -121,7 +112,6 @@ def main(argv=None):
     from evaluate_tau import environment, load_prompts
 
     from hf_carryover import Drafter
-    from hf_carryover.engine.engine import SpeculativeEngine
     from hf_carryover.reference import reference_target
 
     files = sorted(Path(args.data_dir).rglob("shard-*.jsonl"))
@@ -143,13 +133,10 @@ def main(argv=None):
            "max_new_tokens": args.max_new_tokens, "datasets": {}}
     for ds in args.datasets:
         prompts = [r["input_ids"] for r in load_prompts(args.prompts_dir, ds, args.limit)]
-        engine = SpeculativeEngine(target, drafter, max_len=max(map(len, prompts)) + args.max_new_tokens + 40)
-        outs = engine.generate(prompts, max_new_tokens=args.max_new_tokens, eos_token_id=eos)
+        engine, rolled = rollouts(target, drafter, prompts, args.max_new_tokens, eos)
         per_rule = defaultdict(list)
-        for prompt, out in zip(prompts, outs):
-            tokens = prompt + out
-            props = drafter_proposals(target, drafter, tokens, len(prompt))
-            for rule, rounds in replay_rules(tokens, len(prompt), props, store).items():
+        for plen, tokens, props in rolled:
+            for rule, rounds in replay_rules(tokens, plen, props, store).items():
                 per_rule[rule] += rounds
         row = {"prompts": len(prompts), "engine_tau": statistics.mean(a + 1 for rr in engine.rounds for a in rr)}
         for rule, rounds in per_rule.items():

@@ -51,9 +51,9 @@ def accepted(props: list[int], tokens: list[int], t: int) -> int:
     return a
 
 
-def replay(tokens: list[int], plen: int, props: torch.Tensor, rule: str, min_ngram: int) -> list[int]:
-    """Accepted drafts per round (target forward) from the anchor at plen (the prefill's token) to the end."""
-    P = props.shape[1]
+def walk_rounds(tokens: list[int], plen: int, P: int, accept_at) -> list[int]:
+    """Accepted drafts per round (target forward) from the anchor at plen (the prefill's token) to the end, where
+    `accept_at(t, room)` gives a round's accepted count at anchor t with room for at most `room` proposals."""
     rounds, t, L = [], plen, len(tokens)
     while t < L - 1:
         # tokens still to emit; as generate() and the engine, propose at most one fewer (the verification adds one),
@@ -61,19 +61,37 @@ def replay(tokens: list[int], plen: int, props: torch.Tensor, rule: str, min_ngr
         room = min(P, L - 2 - t)
         if room <= 0:
             break
-        d = props[t - plen, :room].tolist()
-        look, n = lookup_proposals(tokens, t, room)
-        if rule == "drafter":
-            a = accepted(d, tokens, t)
-        elif rule == "lookup":
-            a = accepted(look, tokens, t)
-        elif rule == "hybrid":
-            a = accepted(look if n >= min_ngram else d, tokens, t)
-        else:  # both branches verified
-            a = max(accepted(d, tokens, t), accepted(look, tokens, t))
+        a = accept_at(t, room)
         rounds.append(a)
         t += a + 1
     return rounds
+
+
+def replay(tokens: list[int], plen: int, props: torch.Tensor, rule: str, min_ngram: int) -> list[int]:
+    """Accepted drafts per round of one rule on the rollout `tokens` (see the module docstring)."""
+
+    def accept_at(t, room):
+        d = props[t - plen, :room].tolist()
+        look, n = lookup_proposals(tokens, t, room)
+        if rule == "drafter":
+            return accepted(d, tokens, t)
+        if rule == "lookup":
+            return accepted(look, tokens, t)
+        if rule == "hybrid":
+            return accepted(look if n >= min_ngram else d, tokens, t)
+        return max(accepted(d, tokens, t), accepted(look, tokens, t))  # both branches verified
+
+    return walk_rounds(tokens, plen, props.shape[1], accept_at)
+
+
+def rollouts(target, drafter, prompts: list[list[int]], max_new_tokens: int, eos):
+    """Greedy engine rollouts of `prompts` and the drafter's teacher-forced proposals on each: (the engine, whose
+    `rounds` are the online rounds, and [(prompt length, prompt + response, proposals)])."""
+    from hf_carryover.engine.engine import SpeculativeEngine
+
+    engine = SpeculativeEngine(target, drafter, max_len=max(map(len, prompts)) + max_new_tokens + 40)
+    outs = engine.generate(prompts, max_new_tokens=max_new_tokens, eos_token_id=eos)
+    return engine, [(len(p), p + o, drafter_proposals(target, drafter, p + o, len(p))) for p, o in zip(prompts, outs)]
 
 
 def main(argv=None):
@@ -92,7 +110,6 @@ def main(argv=None):
     from evaluate_tau import environment, load_prompts
 
     from hf_carryover import Drafter
-    from hf_carryover.engine.engine import SpeculativeEngine
     from hf_carryover.reference import reference_target
 
     target, _ = reference_target(dtype=torch.float32)
@@ -107,14 +124,11 @@ def main(argv=None):
            "max_new_tokens": args.max_new_tokens, "min_ngram": args.min_ngram, "datasets": {}}
     for ds in args.datasets:
         prompts = [r["input_ids"] for r in load_prompts(args.prompts_dir, ds, args.limit)]
-        engine = SpeculativeEngine(target, drafter, max_len=max(map(len, prompts)) + args.max_new_tokens + 40)
-        outs = engine.generate(prompts, max_new_tokens=args.max_new_tokens, eos_token_id=eos)
+        engine, rolled = rollouts(target, drafter, prompts, args.max_new_tokens, eos)
         per_rule = {r: [] for r in rules}
-        for prompt, out in zip(prompts, outs):
-            tokens = prompt + out
-            props = drafter_proposals(target, drafter, tokens, len(prompt))
+        for plen, tokens, props in rolled:
             for r in rules:
-                per_rule[r] += replay(tokens, len(prompt), props, r, args.min_ngram)
+                per_rule[r] += replay(tokens, plen, props, r, args.min_ngram)
         engine_rounds = [a for rr in engine.rounds for a in rr]
         row = {"prompts": len(prompts), "engine_tau": statistics.mean(a + 1 for a in engine_rounds)}
         for r in rules:
