@@ -99,6 +99,18 @@ def test_engine_lookup_with_eos_and_no_drafter():
             assert any(map(any, engine.lookup_rounds))
 
 
+def _sample_engine_with_lookup(target, drafter, n=2000):
+    """n engine samples of PROMPT_LOOP with 3-token lookups (the first round looks up whatever the prefill sampled),
+    the target's own n samples, and the engine (for its rounds)."""
+    torch.manual_seed(5)
+    prompt = PROMPT_LOOP
+    plain = target.generate(prompt.repeat(n, 1), max_new_tokens=NEW, do_sample=True, **PURE)[:, prompt.shape[1]:]
+    engine = SpeculativeEngine(target, drafter, max_len=prompt.shape[1] + NEW + 40)
+    spec = engine.generate([prompt[0].tolist()] * n, max_new_tokens=NEW, do_sample=True, seed=6,
+                           prompt_lookup_num_tokens=3)
+    return [tuple(s) for s in spec], [tuple(s) for s in plain.tolist()], engine
+
+
 @pytest.mark.parametrize("typ", ["dflash", "markov", None])
 def test_engine_lookup_sampling_follows_the_target(typ):
     """Chi-square tests at alpha = 0.001 against the target's own sampling, with a prompt that makes the first
@@ -106,37 +118,24 @@ def test_engine_lookup_sampling_follows_the_target(typ):
     of them, and a filler slot past a short lookup samples the target itself."""
     n = 2000
     target = _target()
-    drafter = _drafter(target, typ) if typ else None
-    torch.manual_seed(5)
-    prompt = PROMPT_LOOP
-    plain = target.generate(prompt.repeat(n, 1), max_new_tokens=NEW, do_sample=True, **PURE)[:, prompt.shape[1]:]
-    engine = SpeculativeEngine(target, drafter, max_len=prompt.shape[1] + NEW + 40)
-    spec = engine.generate([prompt[0].tolist()] * n, max_new_tokens=NEW, do_sample=True, seed=6,
-                           prompt_lookup_num_tokens=3)
+    spec, plain, engine = _sample_engine_with_lookup(target, _drafter(target, typ) if typ else None, n)
     looked = [(a, lk) for rows, lks in zip(engine.rounds, engine.lookup_rounds) for a, lk in zip(rows, lks) if lk]
     assert len(looked) > 0.3 * n
     assert any(a > 0 for a, _ in looked) and any(a < 3 for a, _ in looked)
-    pvals = _pvalues([tuple(s) for s in spec], [tuple(s) for s in plain.tolist()])
+    pvals = _pvalues(spec, plain)
     assert min(pvals.values()) > ALPHA, pvals
 
 
 def test_engine_lookup_negative_control(monkeypatch):
     """The sampling test has power: if the verifier is told a looked-up token was drawn uniformly (it was not), the
     chi-square test rejects."""
-    n = 2000
-    target = _target()
 
     def uniform(tokens, vocab):
         return torch.full((*tokens.shape, vocab), 1.0 / vocab)
 
     monkeypatch.setattr(engine_mod, "point_mass", uniform)
-    torch.manual_seed(5)
-    prompt = PROMPT_LOOP
-    plain = target.generate(prompt.repeat(n, 1), max_new_tokens=NEW, do_sample=True, **PURE)[:, prompt.shape[1]:]
-    engine = SpeculativeEngine(target, None, max_len=prompt.shape[1] + NEW + 40)
-    spec = engine.generate([prompt[0].tolist()] * n, max_new_tokens=NEW, do_sample=True, seed=6,
-                           prompt_lookup_num_tokens=3)
-    assert min(_pvalues([tuple(s) for s in spec], [tuple(s) for s in plain.tolist()]).values()) < ALPHA
+    spec, plain, _ = _sample_engine_with_lookup(_target(), None)
+    assert min(_pvalues(spec, plain).values()) < ALPHA
 
 
 def test_bad_engine_lookup_setting_is_named():
