@@ -101,7 +101,8 @@ def run_hf(target, prompts, max_new, temperature=0.0, **kw):
                                                    **sampling_kwargs(temperature), **kw))
             new = y.shape[1] - x.shape[1]
             lookup = kw.get("prompt_lookup_num_tokens")
-            if drafter is not None and lookup and getattr(drafter.last_candidate_generator, "lookup_tokens", None) != lookup:
+            taken = getattr(drafter.last_candidate_generator, "lookup_tokens", None) if drafter is not None else None
+            if drafter is not None and lookup and taken != lookup:
                 # a drafter folder saved before context lookup existed carries remote code that ignores the argument
                 # (2026-11-30h: such rows measured plain drafting under the lookup label)
                 raise SystemExit(f"{drafter.name_or_path}: its remote code ignores prompt_lookup_num_tokens (saved "

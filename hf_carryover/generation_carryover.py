@@ -72,10 +72,11 @@ class CarryoverCandidateGenerator(CandidateGenerator):
                              "'heuristic_transient'.")
         # transformers' prompt-lookup knob, here a hybrid: a round whose context ends in a 3- or 4-gram seen earlier
         # proposes what followed it (up to this many tokens, within the block) instead of drafting; else the drafter
-        # drafts. The two lengths are separate knobs, as in transformers: num_assistant_tokens (and its schedule) sets
-        # drafted rounds only, so short drafts (cheap where a verified row costs, e.g. a CPU) can go with long copies. The reference target's greedy responses loop, and its drafter continues loops poorly
+        # drafts. The reference target's greedy responses loop, and its drafter continues loops poorly
         # (examples/lookup_hybrid_offline.py). Lossless: a looked-up proposal is a point mass, which the verifier
-        # accepts with the target's own probability of that token.
+        # accepts with the target's own probability of that token. The two lengths are separate knobs, as in
+        # transformers: num_assistant_tokens (and its schedule) sets drafted rounds only, so short drafts (cheap where
+        # a verified row costs, e.g. on a CPU) can go with long copies.
         lt = getattr(generation_config, "prompt_lookup_num_tokens", None)
         if lt is not None and int(lt) < 1:
             raise ValueError(f"prompt_lookup_num_tokens={lt}: a lookup proposes at least one token (None: off).")
@@ -153,7 +154,7 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         if self.lookup_tokens:
             seq = input_ids[:, self._pad_offset :]
             num = min(self.config.num_proposals, budget, self.lookup_tokens)  # not capped by num_assistant_tokens
-            look, n_look, _ = batched_context_lookup(seq, torch.tensor([seq.shape[1]], device=seq.device), num, num)
+            look, n_look, _ = batched_context_lookup(seq, seq.new_full((1,), seq.shape[1]), num, num)
             m = int(n_look[0])  # the round's one sync for lookup
             if m:
                 return self._lookup_round(input_ids, look[:, :m], model_outputs)

@@ -101,7 +101,8 @@ class DecodeState:
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor a round writes (state and both caches): what capture must snapshot and restore."""
         own = [self.anchor, self.anchor_pos, self.n_out, self.done, self.out, self.accepted, self.round,
-               self.carry_valid, self.carry_pos, self.seq, self.looked] + ([self.carry] if self.carry is not None else [])
+               self.carry_valid, self.carry_pos, self.seq, self.looked]
+        own += [self.carry] if self.carry is not None else []
         caches = self.cache.k + self.cache.v
         if self.dcache is not None:
             caches += self.dcache.keys + self.dcache.values
@@ -287,8 +288,6 @@ class SpeculativeEngine:
             proposed = budget if valid is None else torch.minimum(budget, valid.sum(1))
             a_log, n_drafted = accepted_as_generate_counts(a, drafts, st.eos, proposed)
             a_log = torch.where(budget > 0, a_log, torch.full_like(a, -1))
-        if lookup:
-            st.looked.scatter_(1, st.round.clamp(max=st.looked.shape[1] - 1).expand(st.b, 1), hit[:, None] & ~done[:, None])
         if self.drafter is not None:
             st.dcache.write(self.drafter, self.drafter.fuse(feats), bpos)
             st.carry.copy_(feats[:, 1:])
@@ -310,6 +309,8 @@ class SpeculativeEngine:
             st.seq.scatter_(1, at, torch.where(keep, emitted, st.seq.gather(1, at)))
         col = st.round.clamp(max=st.accepted.shape[1] - 1).expand(st.b, 1)  # [b, 1]: this round's column
         st.accepted.scatter_(1, col, torch.where(done, torch.full_like(a, -1), a_log)[:, None])
+        if lookup:  # `looked` has `accepted`'s shape: the same column
+            st.looked.scatter_(1, col, (hit & ~done)[:, None])
         st.round.add_(1)
         new_n_out = n_out + keep.sum(1)
         new_done = done | (new_n_out >= st.max_new) | is_eos.any(1)
