@@ -12,6 +12,10 @@ Methods, each at every --batch_sizes value b:
   vllm_ar@b              vLLM without speculation
   vllm_dflash:<name>@b   speculative_config {"method": "dflash", "model": <export>, "num_speculative_tokens": k}, the
                          drafter written by `python -m hf_carryover.export` (plain DFlash: the format has no Carryover)
+  vllm_ngram_gpu@b       (--ngram N) vLLM's prompt lookup, {"method": "ngram_gpu", "num_speculative_tokens": N} with
+                         the n-gram window of our context lookup (4 down to 3 tokens): what a vLLM user gets without
+                         a drafter, beside our engine_pld / engine_lookup rows. --ngram_method ngram takes vLLM's CPU
+                         matcher instead, which needs numba (the bundle has none)
 Inputs: --target is a plain HF folder (`hf_carryover.reference.save_reference_for_serving`: vLLM cannot read the
 GGUF); prompts are chat-templated token ids, passed as TokensPrompt dicts (no re-tokenisation, no extra BOS).
 Timing: one LLM per method (load, compile and CUDA-graph capture excluded); per (dataset, b) a warm-up generate()
@@ -166,6 +170,8 @@ def main():
     p.add_argument("--batch_sizes", nargs="+", type=int, default=[1, 8])
     p.add_argument("--num_speculative_tokens", type=int, default=15, help="k; DFlash block_size 16 proposes 15")
     p.add_argument("--gpu_memory_utilization", type=float, default=0.3, help="a 135M target needs little KV cache")
+    p.add_argument("--ngram", type=int, help="also vLLM's n-gram prompt lookup proposing up to N tokens")
+    p.add_argument("--ngram_method", default="ngram_gpu", choices=["ngram_gpu", "ngram"])
     p.add_argument("--no_ar", action="store_true", help="skip vllm_ar (e.g. measured already)")
     p.add_argument("--llm_kwargs", default="{}", help="extra LLM(...) kwargs as JSON")
     p.add_argument("--out", required=True)
@@ -181,7 +187,7 @@ def main():
     k = args.num_speculative_tokens
     longest = max(len(q) for prompts in datasets.values() for q in prompts)
     base = dict(model=args.target, dtype="bfloat16", seed=0, gpu_memory_utilization=args.gpu_memory_utilization,
-                max_model_len=longest + args.max_new_tokens + k + 16, max_num_seqs=max(args.batch_sizes),
+                max_model_len=longest + args.max_new_tokens + max(k, args.ngram or 0) + 16, max_num_seqs=max(args.batch_sizes),
                 enable_prefix_caching=False, disable_log_stats=False, **json.loads(args.llm_kwargs))
     greedy = dict(temperature=0.0, max_tokens=args.max_new_tokens, ignore_eos=False)
     try:
@@ -197,19 +203,25 @@ def main():
             raise SystemExit(f"--num_speculative_tokens {k} does not fit {path}: its block_size {block} proposes "
                              f"{block - 1} tokens")
         methods.append((f"vllm_dflash:{name or Path(path).name}", path))
+    specs = {name: {"method": "dflash", "model": path, "num_speculative_tokens": k} for name, path in methods if path}
+    if args.ngram:  # same window as hf_carryover's context lookup: the last 4, then 3, committed tokens
+        name = f"vllm_{args.ngram_method}"
+        methods.append((name, args.ngram_method))
+        specs[name] = {"method": args.ngram_method, "num_speculative_tokens": args.ngram, "prompt_lookup_max": 4,
+                       "prompt_lookup_min": 3}
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ar_outputs = {}
     with open(out / "bench_raw.jsonl", "a") as raw:
-        for name, drafter in methods:
-            sc = {"method": "dflash", "model": drafter, "num_speculative_tokens": k} if drafter else None
+        for name, _ in methods:
+            sc = specs.get(name)
             build = lambda sc=sc: LLM(**base, speculative_config=sc)  # noqa: E731
-            run_method(raw, name, build, datasets, args.batch_sizes, params, drafter is not None, ar_outputs,
-                       {"engine": "vllm", **({"num_speculative_tokens": k} if drafter else {})})
+            run_method(raw, name, build, datasets, args.batch_sizes, params, sc is not None, ar_outputs,
+                       {"engine": "vllm", **({"num_speculative_tokens": sc["num_speculative_tokens"]} if sc else {})})
     summary = {"command": " ".join(["python"] + sys.argv), "environment": {**environment(), "vllm": vllm.__version__},
                "llm_kwargs": base, "max_new_tokens": args.max_new_tokens,
-               "num_speculative_tokens": k, "methods": dict(methods)}
+               "num_speculative_tokens": k, "methods": dict(methods), "speculative_configs": specs}
     (out / "bench_vllm.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 

@@ -176,7 +176,7 @@ class LLM:
     def __init__(self, **kw):
         with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
             f.write(json.dumps(kw) + "\\n")
-        if kw["speculative_config"] and "broken" in kw["speculative_config"]["model"]:
+        if kw["speculative_config"] and "broken" in kw["speculative_config"].get("model", ""):
             raise RuntimeError("cannot load drafter")
         self.requests = 0
 
@@ -205,20 +205,23 @@ def test_main_with_a_stand_in_vllm(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}:{ROOT}", "FAKE_VLLM_LOG": str(tmp_path / "llm.jsonl")}
     cmd = [sys.executable, str(ROOT / "examples" / "bench_vllm.py"), "--target", "T", "--drafter_export",
            "good=/x/d1", "/x/broken", "--prompts_dir", str(prompts), "--limit", "3", "--max_new_tokens", "4",
-           "--batch_sizes", "1", "2", "--num_speculative_tokens", "3", "--llm_kwargs", '{"enforce_eager": true}',
+           "--batch_sizes", "1", "2", "--num_speculative_tokens", "3", "--ngram", "5", "--llm_kwargs", '{"enforce_eager": true}',
            "--out", str(tmp_path / "out")]
     subprocess.run(cmd, check=True, env=env, capture_output=True, cwd=tmp_path)
     calls = [json.loads(line) for line in (tmp_path / "llm.jsonl").read_text().splitlines()]
     assert [c["speculative_config"] for c in calls] == [
         None, {"method": "dflash", "model": "/x/d1", "num_speculative_tokens": 3},
-        {"method": "dflash", "model": "/x/broken", "num_speculative_tokens": 3}]
+        {"method": "dflash", "model": "/x/broken", "num_speculative_tokens": 3},
+        {"method": "ngram_gpu", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 3}]
     assert {k: calls[0][k] for k in ("model", "dtype", "enable_prefix_caching", "disable_log_stats", "max_num_seqs",
                                      "max_model_len", "enforce_eager")} == {
         "model": "T", "dtype": "bfloat16", "enable_prefix_caching": False, "disable_log_stats": False,
-        "max_num_seqs": 2, "max_model_len": 22 + 4 + 3 + 16, "enforce_eager": True}  # longest prompt: 22 tokens
+        "max_num_seqs": 2, "max_model_len": 22 + 4 + 5 + 16, "enforce_eager": True}  # longest prompt: 22; k=5
     rows = [json.loads(line) for line in (tmp_path / "out" / "bench_raw.jsonl").read_text().splitlines()]
     by = {(r["method"], r["dataset"]): r for r in rows}
-    assert len(rows) == 12 and all(r["prompts"] == 3 for r in rows)
+    assert len(rows) == 16 and all(r["prompts"] == 3 for r in rows)
+    ngram = by[("vllm_ngram_gpu@1", "humaneval")]
+    assert ngram["num_speculative_tokens"] == 5 and ngram["same_as_ar"] == 1.0 and ngram["tau"] == pytest.approx(2.5)
     assert by[("vllm_ar@2", "humaneval")]["tokens"] == 12 and by[("vllm_ar@2", "humaneval")]["tau"] is None
     good = by[("vllm_dflash:good@2", "mtbench")]
     assert good["tau"] == pytest.approx(2.5) and good["same_as_ar"] == 1.0 and good["num_speculative_tokens"] == 3

@@ -89,6 +89,22 @@ trap flush EXIT
 serve_target() {  # the bf16 serving folder of the converted target, ~/assets/serve/target, made once per machine
   [ -d "$A/serve/target" ] || python3 -c "from hf_carryover.reference import save_reference_for_serving as s; s('$A/serve/target')"
 }
+pin() {  # pin GPU: the command prefix that keeps a GPU's job on its own half of the cores (ENGINE_PIN=0: off). The
+  # batch-1 engine is launch-bound, so a job compiling on all cores beside it slows it: the likely cause of the
+  # 2026-11-30e speed differences between calls. Inductor's compile threads are capped to the same half.
+  local n; n=$(nproc); local h=$((n / 2))
+  if [ "${ENGINE_PIN:-1}" = 1 ] && command -v taskset >/dev/null && [ "$h" -ge 2 ]; then
+    echo "env TORCHINDUCTOR_COMPILE_THREADS=$h taskset -c $(( $1 * h ))-$(( $1 * h + h - 1 ))"
+  fi
+}
+profile_job() {  # profile_job GPU TAG: where a generate() round's time goes on the GPU (bf16, batch 1): target
+  # forwards, our candidate generator, transformers' loop; PROFILE_DRAFTER (default dflash-carryover-gated), with and
+  # without lookup
+  local f=$A/drafters/${PROFILE_DRAFTER:-dflash-carryover-gated}; [ -d $f ] || f=$A/runs/${PROFILE_DRAFTER:-}/final
+  CUDA_VISIBLE_DEVICES=$1 timeout ${PROFILE_SECONDS:-200} $(pin $1) python3 examples/profile_generate.py --device cuda \
+    --drafter $f --num_assistant_tokens 15 4 --lookup 15 --max_new_tokens 128 --out $R/$2_profile_gpu$1.json \
+    > "$L/profile_$2.log" 2>&1 || log "profile stopped: $?"
+}
 have_target() { [ -f "$A/cache/SmolLM2-135M-Instruct/hf_carryover_source.json" ] || [ -f "$A/smollm2.gguf" ]; }
 ready_target() {  # the converted reference target, joining the GGUF first where this machine has none yet
   have_target || join_gguf
@@ -423,19 +439,20 @@ vllm)
       EXPORTS="$EXPORTS $n=$S/$n"; ENGINE_D="$ENGINE_D $n=$src"; log "exported $n from $src"
     else log "drafter $n: none at $src, or its export failed (export.log)"; fi
   done
-  for n in ${ENGINE_ONLY:-}; do ENGINE_D="$ENGINE_D $n=$A/runs/$n/final"; done  # e.g. a Carryover drafter
+  for n in ${ENGINE_ONLY:-}; do  # e.g. a Carryover drafter: runs/NAME/final of this machine, else the stashed one
+    src=$A/runs/$n/final; [ -d "$src" ] || src=$A/drafters/$n; ENGINE_D="$ENGINE_D $n=$src"; done
   B="--prompts_dir $A/prompts --datasets ${VLLM_DATASETS:-humaneval mtbench} --limit ${VLLM_LIMIT:-10}"
   B="$B --max_new_tokens ${VLLM_MAX_NEW:-256} --batch_sizes ${VLLM_BATCHES:-1 8} --out $R/bench"
   ngpu=$(nvidia-smi -L 2>/dev/null | grep -c GPU || true)
   vllm_bench() {  # bundle first on the path (its pydantic etc. are the versions vLLM was checked with); no network
     CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD:$A/vllm_site:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
-      TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 timeout -k 20 ${VLLM_SECONDS:-$1} python3 examples/bench_vllm.py \
+      TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 timeout -k 20 ${VLLM_SECONDS:-$1} $(pin 0) python3 examples/bench_vllm.py \
       --target $S/target ${EXPORTS:+--drafter_export $EXPORTS} --num_speculative_tokens ${VLLM_K:-15} $B \
       ${VLLM_EXTRA:-} > "$L/bench_vllm.log" 2>&1 || log "vllm bench stopped: $?"
   }
   engine_bench() {  # our engine, same bf16 weights file, CUDA graphs; ENGINE_METHODS="engine_ar engine engine_lookup"
     # with ENGINE_FLAGS="--compile --lookup 15" adds the context-lookup rows
-    CUDA_VISIBLE_DEVICES=$1 timeout ${ENGINE_SECONDS:-$2} python3 examples/benchmark.py --target $S/target \
+    CUDA_VISIBLE_DEVICES=$1 timeout ${ENGINE_SECONDS:-$2} $(pin $1) python3 examples/benchmark.py --target $S/target \
       ${ENGINE_D:+--drafters $ENGINE_D} --methods ${ENGINE_METHODS:-engine_ar engine} --cuda_graphs ${ENGINE_FLAGS:-} $B > "$L/bench_engine.log" 2>&1 \
       || log "engine bench stopped: $?"
   }
@@ -449,7 +466,8 @@ vllm)
       --out $R/bench4b > "$L/bench4b.log" 2>&1 || log "4B projection stopped: $?"
   }
   if [ "$ngpu" -ge 2 ]; then
-    (engine_bench 1 ${ENGINE_BOX:-300}; flush; [ "${VLLM_GPU1_EXTRA:-0}" = 1 ] && gpu1_extra) & vllm_bench 450; wait
+    (engine_bench 1 ${ENGINE_BOX:-300}; flush; [ "${VLLM_GPU1_EXTRA:-0}" = 1 ] && gpu1_extra
+     [ "${VLLM_GPU1_PROFILE:-0}" = 1 ] && profile_job 1 vllm; flush) & vllm_bench 450; wait
   else vllm_bench 330; flush; engine_bench 0 150; fi
   python3 examples/results_tables.py --bench $R/bench/bench_raw.jsonl > $R/bench_table.md 2>&1 || true
   cat $R/bench_table.md
@@ -469,14 +487,6 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
   have_target || join_gguf
   serve_target; S=$A/serve
   [ -d "$A/prompts" ] || cp -r assets/prompts "$A/prompts"
-  pin() {  # pin GPU: the command prefix that keeps a GPU's job on its own half of the cores (ENGINE_PIN=0: off). The
-    # batch-1 engine is launch-bound, so a job compiling on all cores beside it slows it: the likely cause of the
-    # 2026-11-30e speed differences between calls. Inductor's compile threads are capped to the same half.
-    local n; n=$(nproc); local h=$((n / 2))
-    if [ "${ENGINE_PIN:-1}" = 1 ] && command -v taskset >/dev/null && [ "$h" -ge 2 ]; then
-      echo "env TORCHINDUCTOR_COMPILE_THREADS=$h taskset -c $(( $1 * h ))-$(( $1 * h + h - 1 ))"
-    fi
-  }
   ejob() {  # ejob GPU INDEX "METHODS|DRAFTERS|DATASETS|FLAGS"
     if [ "$3" = check ]; then  # CHECK_DRAFTER=NAME: the real target, that trained drafter and MT-Bench prompts
       T=""; if [ -n "${CHECK_DRAFTER:-}" ]; then f=$A/drafters/$CHECK_DRAFTER; [ -d $f ] || f=$A/runs/$CHECK_DRAFTER/final
@@ -486,14 +496,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
         > "$L/check_$stamp.log" 2>&1 || log "engine check stopped: $?"
       flush; return
     fi
-    if [ "$3" = profile ]; then  # where a generate() round's time goes on the GPU (bf16, batch 1): target forwards,
-      # our candidate generator, transformers' loop; PROFILE_DRAFTER (default dflash-carryover-gated), with and without lookup
-      f=$A/drafters/${PROFILE_DRAFTER:-dflash-carryover-gated}; [ -d $f ] || f=$A/runs/${PROFILE_DRAFTER:-}/final
-      CUDA_VISIBLE_DEVICES=$1 timeout ${PROFILE_SECONDS:-200} $(pin $1) python3 examples/profile_generate.py --device cuda \
-        --drafter $f --num_assistant_tokens 15 4 --lookup 15 --max_new_tokens 128 --out $R/${stamp}_profile_gpu$1.json \
-        > "$L/profile_$stamp.log" 2>&1 || log "profile stopped: $?"
-      flush; return
-    fi
+    if [ "$3" = profile ]; then profile_job $1 $stamp; flush; return; fi
     IFS='|' read -r m d ds fl box <<< "$3"; D=""
     for n in $d; do f=$A/drafters/$n; [ -d $f ] || f=$A/runs/$n/final; D="$D $n=$f"; done
     CUDA_VISIBLE_DEVICES=$1 timeout ${box:-${ENGINE_BOX:-300}} $(pin $1) python3 examples/benchmark.py --target $S/target --prompts_dir $A/prompts \
