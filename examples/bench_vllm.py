@@ -187,7 +187,8 @@ def main():
     k = args.num_speculative_tokens
     longest = max(len(q) for prompts in datasets.values() for q in prompts)
     base = dict(model=args.target, dtype="bfloat16", seed=0, gpu_memory_utilization=args.gpu_memory_utilization,
-                max_model_len=longest + args.max_new_tokens + max(k, args.ngram or 0) + 16, max_num_seqs=max(args.batch_sizes),
+                max_model_len=longest + args.max_new_tokens + max(k, args.ngram or 0) + 16,
+                max_num_seqs=max(args.batch_sizes),
                 enable_prefix_caching=False, disable_log_stats=False, **json.loads(args.llm_kwargs))
     greedy = dict(temperature=0.0, max_tokens=args.max_new_tokens, ignore_eos=False)
     try:

@@ -205,8 +205,8 @@ def test_main_with_a_stand_in_vllm(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}:{ROOT}", "FAKE_VLLM_LOG": str(tmp_path / "llm.jsonl")}
     cmd = [sys.executable, str(ROOT / "examples" / "bench_vllm.py"), "--target", "T", "--drafter_export",
            "good=/x/d1", "/x/broken", "--prompts_dir", str(prompts), "--limit", "3", "--max_new_tokens", "4",
-           "--batch_sizes", "1", "2", "--num_speculative_tokens", "3", "--ngram", "5", "--llm_kwargs", '{"enforce_eager": true}',
-           "--out", str(tmp_path / "out")]
+           "--batch_sizes", "1", "2", "--num_speculative_tokens", "3", "--ngram", "5",
+           "--llm_kwargs", '{"enforce_eager": true}', "--out", str(tmp_path / "out")]
     subprocess.run(cmd, check=True, env=env, capture_output=True, cwd=tmp_path)
     calls = [json.loads(line) for line in (tmp_path / "llm.jsonl").read_text().splitlines()]
     assert [c["speculative_config"] for c in calls] == [

@@ -439,8 +439,7 @@ vllm)
       EXPORTS="$EXPORTS $n=$S/$n"; ENGINE_D="$ENGINE_D $n=$src"; log "exported $n from $src"
     else log "drafter $n: none at $src, or its export failed (export.log)"; fi
   done
-  for n in ${ENGINE_ONLY:-}; do  # e.g. a Carryover drafter: runs/NAME/final of this machine, else the stashed one
-    src=$A/runs/$n/final; [ -d "$src" ] || src=$A/drafters/$n; ENGINE_D="$ENGINE_D $n=$src"; done
+  for n in ${ENGINE_ONLY:-}; do ENGINE_D="$ENGINE_D $(resolve_drafter $n=$n)"; done  # e.g. a Carryover drafter
   B="--prompts_dir $A/prompts --datasets ${VLLM_DATASETS:-humaneval mtbench} --limit ${VLLM_LIMIT:-10}"
   B="$B --max_new_tokens ${VLLM_MAX_NEW:-256} --batch_sizes ${VLLM_BATCHES:-1 8} --out $R/bench"
   ngpu=$(nvidia-smi -L 2>/dev/null | grep -c GPU || true)
