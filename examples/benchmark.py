@@ -15,11 +15,14 @@ Methods (each skipped with a recorded reason when it cannot run here):
   engine_lookup:<name> (--lookup N) the engine with the drafter and context lookup of up to N tokens
   engine_pld          (--lookup N) the engine without a drafter, prompt-lookup decoding of N tokens a round
   hf_spec_lookup:<name> (--lookup N) generate(assistant_model=drafter, prompt_lookup_num_tokens=N)
+  hf_spec_dynamic:<name>, hf_spec_lookup_dynamic:<name> (CUDA only) the same with `drafter.static_rounds = False`: the
+                      drafter's part of a round eager on dynamic shapes, as before static rounds (CUDA graphs) existed
 Engine rows record `mode`: how the engine ran ("eager", "cuda_graph", or why graphs were not used).
 vLLM rows (vllm_ar@b, vllm_dflash:<name>@b) come from examples/bench_vllm.py run with the same --out.
 Timing: warm-up excluded, CUDA-synchronised wall time; `--passes N` times every method N times in alternating
 order and reports the median pass. Every finished measurement is appended to `<out>/bench_raw.jsonl`;
-`<out>/bench.json` and `<out>/bench.md` summarise with environment.
+`<out>/bench.json` and `<out>/bench.md` summarise with environment, rewritten after every row (a time box that cuts the
+run leaves the summary of the rows that finished).
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ def sampling_kwargs(temperature):
     return {"do_sample": True, "temperature": float(temperature), "top_k": 0, "top_p": 1.0}
 
 
-def run_hf(target, prompts, max_new, temperature=0.0, **kw):
+def run_hf(target, prompts, max_new, temperature=0.0, static_rounds=None, **kw):
     """generate() one prompt at a time. τ: from our generator's recorded rounds (hf_spec), or, for loops that
     record nothing (transformers' own DFlash path), from the number of target forwards: every forward after
     the prefill is one verification round, so τ = (new tokens - 1) / (forwards - 1) (the prefill's token
@@ -91,6 +94,8 @@ def run_hf(target, prompts, max_new, temperature=0.0, **kw):
     calls = [0]
     hook = target.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) if own_loop else None
     fwd_tokens = fwd_rounds = 0
+    if drafter is not None:
+        drafter.static_rounds = static_rounds  # None: static rounds (CUDA graphs) on CUDA; False: the dynamic path
     try:
         for p in prompts:
             x = torch.tensor([p], device=target.device)
@@ -117,9 +122,15 @@ def run_hf(target, prompts, max_new, temperature=0.0, **kw):
     finally:
         if hook is not None:
             hook.remove()
+        if drafter is not None:
+            drafter.static_rounds = None
     tau = sum(taus) / len(taus) if taus else (fwd_tokens / fwd_rounds if fwd_rounds > 0 else None)
+    mode = {}
+    if drafter is not None and not own_loop:
+        st = drafter.last_candidate_generator.static
+        mode = {"mode": "dynamic" if st is None else "static+cuda_graphs" if st.graphs else "static (eager)"}
     return {"tokens": n_tok, "seconds": secs, "tok_per_s": n_tok / secs, "tau": tau,
-            **({"tau_from": "target forward count"} if own_loop else {})}
+            **({"tau_from": "target forward count"} if own_loop else {}), **mode}
 
 
 def make_engine(target, drafter, max_len, profile=False, cuda_graphs=False, compile=False):
@@ -238,8 +249,17 @@ def main():
         methods += [(f"hf_spec_lookup:{n}",
                      lambda pr, d=d: hf(pr, assistant_model=d, prompt_lookup_num_tokens=args.lookup))
                     for n, d in drafters.items()]
+    if device == "cuda":  # the same rows with the drafter's part eager on dynamic shapes (before static rounds)
+        methods += [(f"hf_spec_dynamic:{n}", lambda pr, d=d: hf(pr, assistant_model=d, static_rounds=False))
+                    for n, d in drafters.items()]
+        if args.lookup:
+            methods += [(f"hf_spec_lookup_dynamic:{n}",
+                         lambda pr, d=d: hf(pr, assistant_model=d, static_rounds=False,
+                                            prompt_lookup_num_tokens=args.lookup))
+                        for n, d in drafters.items()]
     methods += [(f"hf_own_dflash:{n}", lambda pr, d=d: hf(pr, assistant_model=d, speculation_type="dflash"))
-                for n, d in drafters.items() if d.config.drafter_type == "dflash" and d.config.mask_token_id is not None]
+                for n, d in drafters.items()
+                if d.config.drafter_type == "dflash" and d.config.mask_token_id is not None]
     methods += [("hf_prompt_lookup", lambda pr: hf(pr, prompt_lookup_num_tokens=10))]
     if device == "cuda":
         methods.append(("hf_static_compile", lambda pr: hf(pr, cache_implementation="static")))
@@ -258,10 +278,50 @@ def main():
     def record(res):
         raw.write(json.dumps(res) + "\n")
         raw.flush()
+        write_summary()
         print(f"{res['dataset']:10s} {res['method']:28s} {res['tok_per_s']:8.1f} tok/s  τ {res['tau'] or '-'}"
               f"{'  ' + res['mode'] if 'mode' in res else ''}{'  pass %d' % res['pass'] if 'pass' in res else ''}"
               f"{'  (row %.0f s)' % res['row_wall_s'] if 'row_wall_s' in res else ''}",
               flush=True)
+
+    def write_summary():
+        """bench.json and bench.md from the rows so far (called after every row, so a cut run keeps its summary)."""
+        from hf_carryover.engine.engine import predicted_speedup
+
+        for r in rows:  # latency model: predicted from per-round times vs measured, against engine AR at batch 1
+            ar = next((x for x in rows if x["method"] == "engine_ar@1" and x["dataset"] == r["dataset"]), None)
+            if r.get("tau") and "per_round_s" in r and ar and "per_round_s" in ar and r["method"].endswith("@1"):
+                t = r["per_round_s"]
+                t_ar = ar["per_round_s"]["verify"] + ar["per_round_s"]["other"]
+                r["predicted_speedup_vs_engine_ar"] = predicted_speedup(r["tau"], t["draft"], t["verify"] + t["other"],
+                                                                        t_ar)
+        for r in rows:  # speedups against each AR baseline of the same dataset
+            for base in ("hf_eager", "engine_ar@1"):
+                ref = next((x for x in rows if x["method"] == base and x["dataset"] == r["dataset"]), None)
+                if ref:
+                    r[f"speedup_vs_{base}"] = r["tok_per_s"] / ref["tok_per_s"]
+        not_covered = {"vllm": "examples/bench_vllm.py (needs the vLLM bundle, DESIGN.md §12) appends to "
+                               "bench_raw.jsonl"}
+        if not args.cuda_graphs:
+            not_covered["cuda_graphs"] = "engine rows ran eagerly; --cuda_graphs replays greedy rounds as CUDA graphs"
+        summary = {"command": " ".join(["python"] + sys.argv), "environment": environment(),
+                   "max_new_tokens": args.max_new_tokens, "temperature": T, "warmup": args.warmup,
+                   "cuda_graphs": args.cuda_graphs, "compile": args.compile, "passes": args.passes, "results": rows,
+                   "not_covered": not_covered}
+        (out_dir / "bench.json").write_text(json.dumps(summary, indent=2))
+        lines = ["| dataset | method | tok/s | τ | × hf_eager | × engine_ar@1 | mode |",
+                 "|---|---|---|---|---|---|---|"]
+
+        def ratio(r, base):  # "–" where the run has no such baseline row (not a 0.00 that reads as a measurement)
+            x = r.get(f"speedup_vs_{base}")
+            return f"{x:.2f}" if x is not None else "–"
+
+        for r in rows:
+            tau = f"{r['tau']:.2f}" if r["tau"] else "–"
+            lines.append(f"| {r['dataset']} | {r['method']} | {r['tok_per_s']:.1f} | {tau} | "
+                         f"{ratio(r, 'hf_eager')} | {ratio(r, 'engine_ar@1')} | {r.get('mode', '–')} |")
+        (out_dir / "bench.md").write_text("\n".join(lines) + "\n")
+        return lines
 
     def warm(name, fn, prompts):
         # warm-up, excluded, on the longest prompt: generate()'s static cache keeps the largest size it has seen,
@@ -302,39 +362,7 @@ def main():
             rows.append(res)
             record(res)
 
-    from hf_carryover.engine.engine import predicted_speedup
-
-    for r in rows:  # latency model: predicted from per-round times vs measured, against engine AR at batch 1
-        ar = next((x for x in rows if x["method"] == "engine_ar@1" and x["dataset"] == r["dataset"]), None)
-        if r.get("tau") and "per_round_s" in r and ar and "per_round_s" in ar and r["method"].endswith("@1"):
-            t = r["per_round_s"]
-            t_ar = ar["per_round_s"]["verify"] + ar["per_round_s"]["other"]
-            r["predicted_speedup_vs_engine_ar"] = predicted_speedup(r["tau"], t["draft"], t["verify"] + t["other"], t_ar)
-    for r in rows:  # speedups against each AR baseline of the same dataset
-        for base in ("hf_eager", "engine_ar@1"):
-            ref = next((x for x in rows if x["method"] == base and x["dataset"] == r["dataset"]), None)
-            if ref:
-                r[f"speedup_vs_{base}"] = r["tok_per_s"] / ref["tok_per_s"]
-    not_covered = {"vllm": "examples/bench_vllm.py (needs the vLLM bundle, DESIGN.md §12) appends to bench_raw.jsonl"}
-    if not args.cuda_graphs:
-        not_covered["cuda_graphs"] = "engine rows ran eagerly; --cuda_graphs replays greedy rounds as CUDA graphs"
-    summary = {"command": " ".join(["python"] + sys.argv), "environment": environment(),
-               "max_new_tokens": args.max_new_tokens, "temperature": T, "warmup": args.warmup,
-               "cuda_graphs": args.cuda_graphs, "compile": args.compile, "passes": args.passes, "results": rows,
-               "not_covered": not_covered}
-    (out_dir / "bench.json").write_text(json.dumps(summary, indent=2))
-    lines = ["| dataset | method | tok/s | τ | × hf_eager | × engine_ar@1 | mode |", "|---|---|---|---|---|---|---|"]
-
-    def ratio(r, base):  # "–" where the run has no such baseline row (not a 0.00 that reads as a measurement)
-        x = r.get(f"speedup_vs_{base}")
-        return f"{x:.2f}" if x is not None else "–"
-
-    for r in rows:
-        tau = f"{r['tau']:.2f}" if r["tau"] else "–"
-        lines.append(f"| {r['dataset']} | {r['method']} | {r['tok_per_s']:.1f} | {tau} | "
-                     f"{ratio(r, 'hf_eager')} | {ratio(r, 'engine_ar@1')} | {r.get('mode', '–')} |")
-    (out_dir / "bench.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print("\n".join(write_summary()))
 
 
 if __name__ == "__main__":

@@ -479,7 +479,8 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
   # fifth field, the job's time box in seconds (default ENGINE_BOX). The job
   # "profile" splits a generate() round's time on the GPU (examples/profile_generate.py --device cuda); the job
   # "check" runs the fp32 exactness check of compiled rounds (CHECK_SECONDS, CHECK_KINDS, CHECK_BATCHES): a random
-  # drafter, or with CHECK_DRAFTER=NAME a trained one on the real target, also against plain greedy decoding.
+  # drafter, or with CHECK_DRAFTER=NAME a trained one on the real target, also against plain greedy decoding. The job
+  # "gencheck" checks generate()'s static rounds (trainer/gpu_generate_check.py, GENCHECK_* below).
   # Each job's rows land in $R/<HHMMSS of this call>_gpu<g>_<job>/bench_raw.jsonl (a later call on the same warm
   # machine gets its own folders), flushed to $OUT after every job.
   stamp=$(date +%H%M%S)
@@ -496,6 +497,14 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
       flush; return
     fi
     if [ "$3" = profile ]; then profile_job $1 $stamp; flush; return; fi
+    if [ "$3" = gencheck ]; then  # generate()'s static rounds (CUDA graphs) against plain greedy and the dynamic path,
+      # fp32, the real target and GENCHECK_DRAFTER (default dflash-carryover-gated), GENCHECK_LIMIT prompts per dataset
+      f=$A/drafters/${GENCHECK_DRAFTER:-dflash-carryover-gated}; [ -d $f ] || f=$A/runs/${GENCHECK_DRAFTER:-}/final
+      CUDA_VISIBLE_DEVICES=$1 timeout ${GENCHECK_SECONDS:-150} $(pin $1) python3 trainer/gpu_generate_check.py \
+        --drafter $f --prompts_dir $A/prompts --limit ${GENCHECK_LIMIT:-5} --sampled \
+        --out $R/${stamp}_generate_check_fp32.json > "$L/gencheck_$stamp.log" 2>&1 || log "generate check stopped: $?"
+      flush; return
+    fi
     IFS='|' read -r m d ds fl box <<< "$3"; D=""
     for n in $d; do f=$A/drafters/$n; [ -d $f ] || f=$A/runs/$n/final; D="$D $n=$f"; done
     CUDA_VISIBLE_DEVICES=$1 timeout ${box:-${ENGINE_BOX:-300}} $(pin $1) python3 examples/benchmark.py --target $S/target --prompts_dir $A/prompts \

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from ..modeling_drafter import DrafterStaticCache  # noqa: F401  (re-exported: it is remote code, for generate() too)
+
 
 class TargetStaticCache:
     """Duck-typed transformers cache: each attention layer calls `update(k, v, layer_idx)`; we scatter the new rows
@@ -53,30 +55,6 @@ class TargetStaticCache:
     def causal_mask(self, positions: torch.Tensor) -> torch.Tensor:
         """`[b, 1, n, max_len]` bool: query at position q sees keys at positions <= q."""
         return self._keys[None, None, None, :] <= positions[:, None, :, None]
-
-
-class DrafterStaticCache:
-    """Committed-context K/V of the drafter, per layer `[b, kv_heads, max_len, head_dim]`, indexed by position.
-
-    Looks like `DrafterContextCache` to `Drafter.forward` (`keys`, `values`, `length`); the engine passes a mask
-    that shows row r only positions < its anchor, so stale rows written by earlier rounds are never read.
-    """
-
-    def __init__(self, num_layers, batch, kv_heads, max_len, head_dim, dtype, device):
-        shape = (batch, kv_heads, max_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.length = max_len
-
-    @torch.no_grad()
-    def write(self, drafter, fused: torch.Tensor, positions: torch.Tensor) -> None:
-        """Project fused context rows `[b, n, d]` through every layer's k/v and store them at `positions` `[b, n]`."""
-        cos, sin = drafter.rotary_emb(fused, positions)
-        for i, layer in enumerate(drafter.layers):
-            k, v = layer.self_attn.project_kv(fused, cos, sin)  # [b, kvh, n, hd]
-            idx = positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
-            self.keys[i].scatter_(2, idx, k.to(self.keys[i].dtype))
-            self.values[i].scatter_(2, idx, v.to(self.values[i].dtype))
 
 
 __all__ = ["TargetStaticCache", "DrafterStaticCache"]

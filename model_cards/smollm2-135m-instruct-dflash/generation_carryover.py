@@ -86,6 +86,13 @@ class CarryoverCandidateGenerator(CandidateGenerator):
             self.max_proposals = min(int(kept), self.config.num_proposals)
         self.rounds: list[dict] = []
         self._pending = None  # number of proposals of the round being verified
+        # static rounds (`StaticDraftRound`, CUDA graphs on CUDA): `drafter.static_rounds` None (default) = on CUDA
+        # only; True = also on CPU, eagerly (what the tests compare); False = never. Built at the first draft, when
+        # the target's feature dtype is known.
+        mode = getattr(drafter, "static_rounds", None)
+        self._use_static = drafter.fc.weight.is_cuda if mode is None else bool(mode)
+        self.static: StaticDraftRound | None = None
+        self._n_committed = 0
         self._pad_offset = 0
         mask = (model_kwargs or {}).get("attention_mask")
         if mask is not None and input_ids is not None:
@@ -123,18 +130,24 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         device = drafter.fc.weight.device
         hs = model_outputs.hidden_states
         n_rows = hs[0].shape[1]  # rows of the last target forward: prompt (prefill) or [anchor, d_1..d_k]
-        n_committed_before = self.cache.length
+        n_committed_before = self.cache.length if self.static is None else self._n_committed
         n_new = input_ids.shape[1] - 1 - n_committed_before  # committed rows among them (anchor excluded)
         if not 0 < n_new <= n_rows:
             raise RuntimeError(f"Drafter cache out of sync: {n_new} new committed rows, {n_rows} verified rows.")
         features = drafter.target_features(hs).to(device)  # [1, n_rows, L*d_t]
         pos0 = n_committed_before - self._pad_offset
         positions = torch.arange(pos0, pos0 + n_rows, device=device)[None]
-        valid = None
-        if n_committed_before == 0 and self._pad_offset:
-            valid = torch.arange(n_new, device=device)[None] >= self._pad_offset
-            positions = positions.clamp(min=0)
-        drafter.append_context(self.cache, drafter.fuse(features[:, :n_new]), positions[:, :n_new], valid)
+        if self._use_static and self.static is None:
+            self.static = static_draft_round(drafter, self.max_length, features.dtype)
+        if self.static is not None:  # stores all rows; the rejected ones stay in its buffer as carryover
+            self.static.commit(features, n_new, pos0, skip=self._pad_offset if n_committed_before == 0 else 0)
+            self._n_committed += n_new
+        else:
+            valid = None
+            if n_committed_before == 0 and self._pad_offset:
+                valid = torch.arange(n_new, device=device)[None] >= self._pad_offset
+                positions = positions.clamp(min=0)
+            drafter.append_context(self.cache, drafter.fuse(features[:, :n_new]), positions[:, :n_new], valid)
 
         carry = carry_pos = None
         if cfg.carryover and n_rows > n_new:
@@ -159,9 +172,14 @@ class CarryoverCandidateGenerator(CandidateGenerator):
             if m:
                 return self._lookup_round(input_ids, look[:, :m], model_outputs)
         anchor = input_ids[:, -1:].to(device)
-        hidden = drafter.draft_hidden(anchor, input_ids.shape[1] - 1 - self._pad_offset, self.cache, carry, carry_pos)
-        hidden = hidden[:, drafter.proposal_rows()][:, :n_prop]  # [1, n_prop, d]
-        tokens, logits = self._choose(input_ids, drafter.lm_logits(hidden).float())
+        if self.static is not None:
+            logits = self.static.draft(anchor)[:, :n_prop].clone()  # [1, n_prop, V]; the buffer is reused
+        else:
+            hidden = drafter.draft_hidden(anchor, input_ids.shape[1] - 1 - self._pad_offset, self.cache, carry,
+                                          carry_pos)
+            hidden = hidden[:, drafter.proposal_rows()][:, :n_prop]  # [1, n_prop, d]
+            logits = drafter.lm_logits(hidden).float()
+        tokens, logits = self._choose(input_ids, logits)
         tokens, logits = self._crop_at_eos(tokens, logits)
         self.rounds.append({"proposals": tokens.shape[1], "accepted": 0})
         if self.record_carryover:
@@ -211,6 +229,138 @@ class CarryoverCandidateGenerator(CandidateGenerator):
             return tokens, logits
         n = int(drafts_through_eos(tokens[0], self.eos_ids))
         return tokens[:, :n], logits[:, :n]
+
+
+class StaticDraftRound:
+    """The drafter's part of a `generate()` round on fixed shapes: a position-indexed drafter cache, a feature buffer
+    of `P + 1` rows (the most a verification has) and a few device scalars, so that on CUDA each part replays as one
+    captured CUDA graph.
+
+    Why: through `generate()` the target stays eager, and on a GPU both it and an eager drafter are host-bound. On
+    the H200 a verification of the reference target takes ~23 ms and a plain step ~20 ms, and the eager drafter
+    (context append, three layers, the target's LM head: dozens of small kernels) added ~7 ms a round, so a round
+    cost ~1.6 plain steps (`examples/profile_generate.py`). Replayed, the drafter's part costs two graph launches.
+
+    Two graphs, each idempotent, so a capture's warm-up runs are the real work:
+      * `write`: fuse the verified rows in `feat` and store their K/V at positions pos0..pos0+P. Rows past the
+        committed ones land at or after the anchor, where the drafter's mask hides them until a later round
+        overwrites them (the engine's rule, `DrafterStaticCache`).
+      * `draft`: one block at the anchor; keys are the whole cache (visible below the anchor), then the rows
+        1..P of `feat` as carryover (visible where `n_new <= j < n_rows`: the rejected rows of the last
+        verification, at their own positions), then the block. Writes the proposal logits into `logits`.
+    The prompt's rows (more than P + 1) are written eagerly by the same `DrafterStaticCache.write`.
+
+    Everything else of the round (choosing proposals, logits processors, the Markov chain, the EOS crop, context
+    lookup) stays eager and is shared with the dynamic path. The keys the drafter attends to are the same as the
+    dynamic path's, in the same order, plus masked ones (which add exact zeros), so proposals agree with it up to
+    floating-point summation order (tested on CPU, where the same code runs without capture).
+    """
+
+    def __init__(self, drafter, capacity: int, feat_dtype, device, graphs: bool):
+        from .modeling_drafter import DrafterStaticCache  # sibling module; lazy to avoid an import cycle
+
+        cfg = drafter.config
+        self.drafter, self.capacity, self.graphs = drafter, capacity, graphs
+        self.rows = cfg.num_proposals + 1
+        d_feat = len(cfg.target_layer_ids) * cfg.hidden_size
+        self.cache = DrafterStaticCache(len(drafter.layers), 1, cfg.num_key_value_heads, capacity, cfg.head_dim,
+                                        drafter.fc.weight.dtype, device)
+        self.steps = torch.arange(capacity, device=device)
+        self.feat = torch.zeros(1, self.rows, d_feat, dtype=feat_dtype, device=device)
+        self.ints = torch.zeros(3, dtype=torch.long, device=device)  # pos0, n_new, n_rows of the last verification
+        self.anchor = torch.zeros(1, 1, dtype=torch.long, device=device)
+        n_prop = len(range(cfg.block_size)[drafter.proposal_rows()])
+        self.logits = torch.zeros(1, n_prop, cfg.vocab_size, dtype=torch.float32, device=device)
+        self._graphs: dict = {}  # "write" / "draft" -> CUDAGraph
+
+    @torch.no_grad()
+    def _write(self):
+        d = self.drafter
+        positions = (self.ints[0] + self.steps[: self.rows])[None]  # [1, P+1]
+        self.cache.write(d, d.fuse(self.feat), positions)
+
+    @torch.no_grad()
+    def _draft(self):
+        d, cfg = self.drafter, self.drafter.config
+        B = cfg.block_size
+        pos0, n_new, n_rows = self.ints[0], self.ints[1], self.ints[2]
+        anchor_pos = pos0 + n_new
+        block = d.embed_block(self.anchor)  # [1, B, d]
+        visible = [(self.steps < anchor_pos)[None]]  # [1, capacity]: committed context only
+        carry = carry_pos = None
+        if cfg.carryover:
+            j = self.steps[1 : self.rows]
+            carry, carry_pos = self.feat[:, 1:], (pos0 + j)[None]  # [1, P, F], [1, P]
+            visible.append(((j >= n_new) & (j < n_rows))[None])
+        visible.append(torch.ones(1, B, dtype=torch.bool, device=block.device))
+        mask = torch.cat(visible, 1)[:, None, None, :]  # [1, 1, 1, keys]
+        hidden = d(block, (anchor_pos + self.steps[:B])[None], cache=self.cache, carryover_features=carry,
+                   carryover_positions=carry_pos, attn_mask=mask)
+        self.logits.copy_(d.lm_logits(hidden[:, d.proposal_rows()]).float())
+
+    def _run(self, name: str):
+        fn = self._write if name == "write" else self._draft
+        if not self.graphs:
+            return fn()
+        graph = self._graphs.get(name)
+        if graph is None:  # warm up on a side stream (lazy init, workspaces), then record; fn is idempotent
+            with torch.cuda.device(self.feat.device):
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        fn()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn()
+            self._graphs[name] = graph
+        graph.replay()
+
+    def _set(self, pos0: int, n_new: int, n_rows: int):
+        self.ints.copy_(torch.tensor([pos0, n_new, n_rows]), non_blocking=True)
+
+    def commit(self, features: torch.Tensor, n_new: int, pos0: int, skip: int = 0):
+        """Store a verification's rows `features [1, n_rows, F]` (raw target features) that start at position pos0;
+        the first n_new are committed, the rest are next round's carryover. A prefill (more rows than a block, or
+        `skip` left-padding rows to leave out) is written eagerly, the real prompt rows at positions 0.."""
+        n_rows = features.shape[1]
+        if skip or n_rows > self.rows:
+            if n_rows != n_new:
+                raise RuntimeError(f"A verification of {n_rows} rows exceeds the drafter's block ({self.rows} rows).")
+            real = features[:, skip:]
+            positions = self.steps[: real.shape[1]][None]
+            self.cache.write(self.drafter, self.drafter.fuse(real), positions)
+            self._set(real.shape[1] - 1, 1, 1)  # next draft: anchor right after the prompt, no carryover rows
+            return
+        self.feat[:, :n_rows].copy_(features)
+        self._set(pos0, n_new, n_rows)
+        self._run("write")
+
+    def draft(self, anchor: torch.Tensor) -> torch.Tensor:
+        """Proposal logits `[1, P, V]` (float32) of one block at `anchor [1, 1]`, after the last `commit`."""
+        self.anchor.copy_(anchor)
+        self._run("draft")
+        return self.logits
+
+
+def static_draft_round(drafter, max_length: int, feat_dtype) -> StaticDraftRound:
+    """The drafter's `StaticDraftRound` for generations up to `max_length` tokens, reused across generate() calls
+    (its graphs are captured once). Capacity is rounded up to 256 positions so nearby lengths share one. A graph
+    holds the addresses of the drafter's weights and of the bound target's embedding and LM head, so the entry is
+    rebuilt when any of those change (another target bound, the drafter moved or cast)."""
+    device = drafter.fc.weight.device
+    parts = drafter._require_target()
+    need = max_length + 2 * drafter.config.block_size
+    key = (device, feat_dtype, id(parts["lm_head"]), id(parts["embed"]),
+           tuple(p.data_ptr() for p in drafter.parameters()))
+    held = getattr(drafter, "_static_draft_round", None)
+    if held is not None and held[0] == key and held[1].capacity >= need:
+        return held[1]
+    capacity = -(-need // 256) * 256
+    entry = StaticDraftRound(drafter, capacity, feat_dtype, device, graphs=device.type == "cuda")
+    drafter._static_draft_round = (key, entry)
+    return entry
 
 
 def batched_context_lookup(seq: torch.Tensor, length: torch.Tensor, k: int, num: int, max_ngram: int = 4,
@@ -335,5 +485,6 @@ def enable(target):
     return target
 
 
-__all__ = ["CarryoverCandidateGenerator", "install_generate_hook", "enable", "eos_tensor", "drafts_through_eos",
+__all__ = ["CarryoverCandidateGenerator", "StaticDraftRound", "static_draft_round", "install_generate_hook", "enable",
+           "eos_tensor", "drafts_through_eos",
            "accepted_as_generate_counts", "batched_context_lookup", "context_lookup"]

@@ -69,6 +69,31 @@ class DrafterContextCache:
         self.valid = valid if self.valid is None else torch.cat([self.valid, valid], dim=1)
 
 
+class DrafterStaticCache:
+    """Committed-context K/V of the drafter, per layer `[b, kv_heads, max_len, head_dim]`, indexed by position.
+
+    Looks like `DrafterContextCache` to `Drafter.forward` (`keys`, `values`, `length`); the fast engine and the
+    generate() path's static rounds (`StaticDraftRound`) pass a mask that shows row r only positions < its anchor, so
+    stale rows written by earlier rounds (rejected rows, an earlier prompt) are never read.
+    """
+
+    def __init__(self, num_layers, batch, kv_heads, max_len, head_dim, dtype, device):
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.length = max_len
+
+    @torch.no_grad()
+    def write(self, drafter, fused: torch.Tensor, positions: torch.Tensor) -> None:
+        """Project fused context rows `[b, n, d]` through every layer's k/v and store them at `positions` `[b, n]`."""
+        cos, sin = drafter.rotary_emb(fused, positions)
+        for i, layer in enumerate(drafter.layers):
+            k, v = layer.self_attn.project_kv(fused, cos, sin)  # [b, kvh, n, hd]
+            idx = positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
+            self.keys[i].scatter_(2, idx, k.to(self.keys[i].dtype))
+            self.values[i].scatter_(2, idx, v.to(self.values[i].dtype))
+
+
 _FLEX = []
 
 
@@ -466,4 +491,4 @@ class Drafter(PreTrainedModel):
         return gen
 
 
-__all__ = ["Drafter", "DrafterContextCache"]
+__all__ = ["Drafter", "DrafterContextCache", "DrafterStaticCache"]
