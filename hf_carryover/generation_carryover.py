@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import types
+import warnings
 
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
@@ -304,16 +305,22 @@ class StaticDraftRound:
             return fn()
         graph = self._graphs.get(name)
         if graph is None:  # warm up on a side stream (lazy init, workspaces), then record; fn is idempotent
-            with torch.cuda.device(self.feat.device):
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(2):
+            try:
+                with torch.cuda.device(self.feat.device):
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        for _ in range(2):
+                            fn()
+                    torch.cuda.current_stream().wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
                         fn()
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    fn()
+            except Exception as e:  # noqa: BLE001  (any capture error: the same rounds, eagerly, from now on)
+                warnings.warn(f"CUDA-graph capture of the drafter's {name} round failed; drafting eagerly on static "
+                              f"shapes instead: {type(e).__name__}: {e}", stacklevel=2)
+                self.graphs = False
+                return fn()
             self._graphs[name] = graph
         graph.replay()
 

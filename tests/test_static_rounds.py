@@ -132,3 +132,21 @@ def test_static_rounds_with_context_lookup_and_sampling(monkeypatch):
         torch.manual_seed(3)
         outs.append(target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=True))
     assert torch.equal(outs[0], outs[1])
+
+
+def test_failed_capture_falls_back_to_eager_static_rounds(monkeypatch):
+    """A capture that raises (here: CUDA calls on a CPU drafter) warns once and drafts the same rounds eagerly."""
+    target = build_target("llama")
+    drafter = build_drafter(target, "dflash", True, block_size=6)
+    ids = make_prompt(8)
+    ref = greedy(target, ids, 30)
+    _, logits_d, _ = _run(target, drafter, ids, 30, False, monkeypatch)
+    drafter.static_rounds = True
+    target.generate(ids, assistant_model=drafter, max_new_tokens=4)  # builds the drafter's static entry
+    entry = drafter.last_candidate_generator.static
+    entry.graphs = True  # as on CUDA: the next round tries to capture
+    with pytest.warns(UserWarning, match="capture of the drafter's .* round failed"):
+        out, logits_s, gen = _run(target, drafter, ids, 30, True, monkeypatch)
+    assert gen.static is entry and entry.graphs is False
+    assert torch.equal(out, ref)
+    _assert_same_drafts(logits_d, logits_s)

@@ -58,6 +58,8 @@
 # Eighth run of 2026-11-30 (examples/results/h200-2026-11-30h/), no training: vllmstash
 # (.device/p1, assets/prompts); vllmstash (.vllm/drafters: the two shipped drafters); prep + tau with lookup=15 entries;
 # four engine calls with --lookup 15 (engine_lookup / engine_pld / hf_spec_lookup rows); ~26 device-minutes, two starts.
+# Run of 2026-12-01 (examples/results/h200-2026-12-01/): vllmstash (.device/p1, assets/prompts); vllmstash (the
+# Carryover drafter); one engine call: HF rows with static and dynamic rounds, gencheck and profile (~8.5 minutes).
 # vllmstash now refreshes the stashed folders' remote code: a folder saved by an older commit runs its own copy.
 # With drafter weights committed in model_cards/, run `bash trainer/device_tree.sh light` before the calls.
 # Checkpoints: stage2 packs all four drafters in bf16 and queues them as tar parts (DFlash pair first); each call
