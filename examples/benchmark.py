@@ -12,7 +12,9 @@ Methods (each skipped with a recorded reason when it cannot run here):
                       loop driving our drafter (DFlash drafters with a target-row mask; no Carryover there)
   engine_ar           hf_carryover.engine without a drafter (static caches; eager, or CUDA graphs with --cuda_graphs)
   engine:<name>       hf_carryover.engine with the drafter, at every --batch_sizes value (throughput)
-  engine_lookup:<name> (--lookup N) the engine with the drafter and context lookup of up to N tokens
+  engine_lookup:<name> (--lookup N) the engine with the drafter and context lookup of up to N tokens; a round in
+                      which every row looks up skips the drafter
+  engine_lookup_always_draft:<name> (--lookup N) the same, drafting in every round (what the skip saves)
   engine_pld          (--lookup N) the engine without a drafter, prompt-lookup decoding of N tokens a round
   hf_spec_lookup:<name> (--lookup N) generate(assistant_model=drafter, prompt_lookup_num_tokens=N)
   hf_spec_dynamic:<name>, hf_spec_lookup_dynamic:<name> (CUDA only) the same with `drafter.static_rounds = False`: the
@@ -140,29 +142,32 @@ def make_engine(target, drafter, max_len, profile=False, cuda_graphs=False, comp
                              compile=compile)
 
 
-def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=None):
+def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=None, skip_drafter=True):
     """One engine per (target, drafter) serves every dataset and batch size of a run, so a shape is captured and
-    compiled once, not once per dataset (and torch.compile stays far below its recompile limit)."""
+    compiled once, not once per dataset (and torch.compile stays far below its recompile limit). `skip_drafter`:
+    the engine's `lookup_skips_drafter` for this row (False: the drafter runs in every round, looked up or not)."""
     drafter = engine.drafter
+    engine.lookup_skips_drafter = skip_drafter
     chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
     kw = dict(max_new_tokens=max_new, eos_token_id=eos, do_sample=temperature > 0, temperature=temperature or 1.0,
               prompt_lookup_num_tokens=lookup)
     for size in sorted({len(c) for c in chunks}):  # warm-up, capture and compile outside the timed loop, per batch
         engine.generate(next(c for c in chunks if len(c) == size), **kw)  # per shape
     engine.timing = dict.fromkeys(engine.timing, 0)  # the profile covers the timed calls only
-    n_tok, secs, acc, modes, looked = 0, 0.0, [], [], 0
+    n_tok, secs, acc, modes, looked, skipped = 0, 0.0, [], [], 0, 0
     for i, chunk in enumerate(chunks):
         out, dt = _timed(lambda: engine.generate(chunk, seed=i, **kw))
         n_tok += sum(len(o) for o in out)
         secs += dt
         acc += [a for rows in engine.rounds for a in rows]
         looked += sum(map(sum, engine.lookup_rounds))
+        skipped += engine.skipped_drafts
         modes.append(engine.last_mode)
     res = {"tokens": n_tok, "seconds": secs, "tok_per_s": n_tok / secs,
            "tau": (sum(acc) + len(acc)) / len(acc) if (drafter is not None or lookup) and acc else None,
            "mode": " | ".join(dict.fromkeys(modes))}  # one mode unless some batch shapes could not be captured
     if lookup:
-        res.update(lookup=lookup, lookup_round_share=looked / max(len(acc), 1))
+        res.update(lookup=lookup, lookup_round_share=looked / max(len(acc), 1), drafter_skipped_rounds=skipped)
     if engine.profile and engine.timing["rounds"]:
         n = engine.timing["rounds"]
         res["per_round_s"] = {p: engine.timing[p] / n for p in ("draft", "verify", "other")}
@@ -232,8 +237,8 @@ def main():
 
     T = args.temperature
     hf = lambda pr, **kw: run_hf(target, pr, args.max_new_tokens, temperature=T, **kw)  # noqa: E731
-    def eng(name, d, pr, b, lookup=None):  # one engine per drafter serves rows with and without lookup
-        return run_engine(engine_for(name, d), pr, args.max_new_tokens, b, eos, T, lookup)
+    def eng(name, d, pr, b, lookup=None, skip=True):  # one engine per drafter serves rows with and without lookup
+        return run_engine(engine_for(name, d), pr, args.max_new_tokens, b, eos, T, lookup, skip)
 
     # fastest first: when a time box cuts the run, the engine rows and the HF baselines exist already
     methods = [(f"engine_ar@{b}", lambda pr, b=b: eng(None, None, pr, b)) for b in args.batch_sizes]
@@ -241,6 +246,9 @@ def main():
                 for n, d in drafters.items() for b in args.batch_sizes]
     if args.lookup:
         methods += [(f"engine_lookup:{n}@{b}", lambda pr, n=n, d=d, b=b: eng(n, d, pr, b, args.lookup))
+                    for n, d in drafters.items() for b in args.batch_sizes]
+        methods += [(f"engine_lookup_always_draft:{n}@{b}",
+                     lambda pr, n=n, d=d, b=b: eng(n, d, pr, b, args.lookup, skip=False))
                     for n, d in drafters.items() for b in args.batch_sizes]
         methods += [(f"engine_pld@{b}", lambda pr, b=b: eng(None, None, pr, b, args.lookup)) for b in args.batch_sizes]
     methods += [("hf_eager", lambda pr: hf(pr))]

@@ -177,5 +177,36 @@ def test_engine_lookup_compiled_and_graph_plumbing(monkeypatch):
     graphed = SpeculativeEngine(target, drafter, max_len=340, cuda_graphs=True)
     plain = graphed.generate(prompts, max_new_tokens=20)
     assert graphed.generate(prompts, **kw) == ref and (graphed.rounds, graphed.lookup_rounds) == ref_rounds
-    assert graphed.last_mode == "cuda_graph" and len(captured) == 2  # with and without lookup: two graphs
+    # without lookup one graph; with lookup two: the drafted round and the round that skips the drafter
+    assert graphed.last_mode == "cuda_graph" and len(captured) == 3
+    assert graphed.skipped_drafts > 0
     assert plain == ref  # greedy either way
+
+
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
+def test_rounds_that_all_look_up_skip_the_drafter(do_sample):
+    """With lookup_skips_drafter (the default) a round in which every unfinished row looks up runs without the
+    drafter: the drafter's forward runs that many times fewer, and tokens and rounds are exactly those of an engine
+    that drafts every round (greedy; sampled with the same seed). A batch whose rows do not all look up together skips
+    only the rounds where they do."""
+    target = build_target("llama", seed=5)
+    drafter = build_drafter(target, "dflash", True)
+    calls = []
+    drafter.register_forward_hook(lambda *a: calls.append(1))
+    looping = [[t for x in range(96) for t in (a, c, x)] + [a, c] for a, c in ((7, 1), (5, 2))]
+    g = torch.Generator().manual_seed(4)
+    mixed = [looping[0], torch.randint(1, 90, (40,), generator=g).tolist()]  # the second row rarely looks up
+    kw = dict(max_new_tokens=24, prompt_lookup_num_tokens=4, do_sample=do_sample, temperature=0.8, seed=3)
+    for prompts in (looping, mixed, looping[:1]):
+        out = {}
+        for skip in (False, True):
+            calls.clear()
+            engine = SpeculativeEngine(target, drafter, max_len=340, lookup_skips_drafter=skip)
+            out[skip] = (engine.generate(prompts, **kw), engine.rounds, engine.lookup_rounds, len(calls),
+                         engine.skipped_drafts)
+        assert out[True][:3] == out[False][:3]
+        assert out[False][4] == 0 and out[True][3] == out[False][3] - out[True][4]
+        if prompts is looping or len(prompts) == 1:
+            assert out[True][4] > 0
+        # a skipped round is one in which every unfinished row looked up
+        assert out[True][4] <= min(sum(lk) for lk in out[True][2])

@@ -50,6 +50,10 @@ def test_benchmark_script_tiny(tmp_path):
     # the engine's context lookup takes generate()'s rounds (fp32 on CPU), so the same τ
     assert by["engine_lookup:p@1"]["tau"] == pytest.approx(by["hf_spec_lookup:p"]["tau"])
     assert by["engine_pld@1"]["tau"] >= 1.0 and "lookup_round_share" in by["engine_pld@1"]
+    # skipping the drafter in looked-up rounds changes the cost of a round, never its outcome
+    for b in (1, 3):
+        skip, always = by[f"engine_lookup:p@{b}"], by[f"engine_lookup_always_draft:p@{b}"]
+        assert skip["tau"] == always["tau"] and always["drafter_skipped_rounds"] == 0
     assert "| mtbench | engine:m@3 |" in (tmp_path / "out" / "bench.md").read_text()
     assert {r["mode"] for r in summary["results"] if r["method"].startswith("engine")} == {"eager (no CUDA)"}
     assert "cuda_graphs" not in summary["not_covered"]

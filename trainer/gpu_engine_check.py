@@ -16,6 +16,9 @@ For plain AR (no drafter) and a random DFlash drafter with Carryover, at batch 1
   * with --sampled, bf16 tokens/s of sampled calls too (`<engine>_sampled_tok_per_s`).
 With --target/--drafter/--prompts_dir the two prompt sets are consecutive prompts of --dataset, and in fp32 at batch 1
 the eager engine's tokens are also compared with plain greedy `target.generate` (`plain_greedy_exact`).
+With --lookup N every engine call uses context lookup (prompt_lookup_num_tokens=N); the eager reference engine then
+drafts in every round (`lookup_skips_drafter=False`) while the graph engines skip the drafter in rounds where every
+row looks up (their own captured variant), so exactness also covers that variant (`skipped_drafts` counts them).
 Every row records `mode` (`engine.last_mode`: "cuda_graph", or why it ran eagerly). Rows are written to --out as
 soon as they are known; a failing row records its error instead of stopping the script. On CPU the graph
 engine runs eagerly ("eager (no CUDA)"), so only the plumbing is checked there.
@@ -96,6 +99,7 @@ def main():
     p.add_argument("--prompts_dir", default=None, help="with --target: prompt files (prepare_prompts.py) to draw the "
                    "two prompt sets from")
     p.add_argument("--dataset", default="mtbench", help="the prompt file of --prompts_dir")
+    p.add_argument("--lookup", type=int, default=None, help="context lookup of up to N tokens in every engine call")
     args = p.parse_args()
     if args.drafter and not args.target:
         p.error("--drafter needs --target: a trained drafter is bound to the target it was trained for")
@@ -117,7 +121,9 @@ def main():
            "commit": os.environ.get("HF_CARRYOVER_COMMIT", "unknown"), "tiny": args.tiny,
            "max_new_tokens": max_new, "target": args.target or "random SmolLM2-shaped",
            "drafter": args.drafter or "random dflash (Carryover on)",
-           "prompts": f"{args.prompts_dir}/{args.dataset}" if real else "random tokens", "rows": []}
+           "prompts": f"{args.prompts_dir}/{args.dataset}" if real else "random tokens", "lookup": args.lookup,
+           "rows": []}
+    lk = {"prompt_lookup_num_tokens": args.lookup} if args.lookup else {}  # every engine call
 
     def record(row):
         res["rows"].append(row)
@@ -136,7 +142,7 @@ def main():
                                           mask_token_id=16).to(args.device).eval()
         longest = max(len(x) for x in real) if real else 80
         max_len = longest + max_new + 2 * 16
-        out = {"eager": SpeculativeEngine(target, drafter, max_len=max_len),
+        out = {"eager": SpeculativeEngine(target, drafter, max_len=max_len, lookup_skips_drafter=False),
                "graph": SpeculativeEngine(target, drafter, max_len=max_len, cuda_graphs=True)}
         if args.compile:
             out["graph_compile"] = SpeculativeEngine(target, drafter, max_len=max_len, cuda_graphs=True, compile=True)
@@ -163,20 +169,21 @@ def main():
                     if dtype_name == "fp32":  # exactness: both prompt sets, tokens and rounds
                         refs = []  # eager decoding once per set, compared with every other engine
                         for prompts in sets:
-                            refs.append((eager.generate(prompts, max_new_tokens=max_new, eos_token_id=eos),
+                            refs.append((eager.generate(prompts, max_new_tokens=max_new, eos_token_id=eos, **lk),
                                          eager.rounds))
                         for name, engine in built.items():
                             if name == "eager":
                                 continue
                             mismatches = []
                             for i, (prompts, (ref, ref_rounds)) in enumerate(zip(sets, refs)):
-                                out = engine.generate(prompts, max_new_tokens=max_new, eos_token_id=eos)
+                                out = engine.generate(prompts, max_new_tokens=max_new, eos_token_id=eos, **lk)
                                 if out != ref or engine.rounds != ref_rounds:
                                     mismatches.append({"set": i, "first_diff_at": first_diff(ref, out),
                                                        "rounds_equal": engine.rounds == ref_rounds})
                             tag = "" if name == "graph" else "compile_"
                             row.update({f"{tag}exact": not mismatches, f"{tag}mismatches": mismatches,
-                                        f"{tag}mode": engine.last_mode, f"{tag}graphs": len(engine._graphs)})
+                                        f"{tag}mode": engine.last_mode, f"{tag}graphs": len(engine._graphs),
+                                        f"{tag}skipped_drafts": engine.skipped_drafts})
                         row["tau"] = eager.tau if kind == "dflash" else None
                         if real and b == 1:  # the engine against plain greedy decoding of the target itself
                             plain = [target.generate(torch.tensor([x], device=args.device), max_new_tokens=max_new,
@@ -186,7 +193,8 @@ def main():
                             row["plain_greedy_first_diff_at"] = first_diff(plain, refs[0][0] + refs[1][0])
                         # sampled rounds (T=1): the graph replays the eager round's kernels on the same uniforms, so
                         # the same seed must give the same tokens (part of all_exact)
-                        kw = dict(max_new_tokens=max_new, eos_token_id=eos, do_sample=True, temperature=1.0, seed=7)
+                        kw = dict(max_new_tokens=max_new, eos_token_id=eos, do_sample=True, temperature=1.0, seed=7,
+                                  **lk)
                         ref_s = eager.generate(sets[0], **kw)
                         out_g = graph.generate(sets[0], **kw)
                         row.update({"graph_sampled_same_tokens": out_g == ref_s and graph.rounds == eager.rounds,
@@ -202,8 +210,8 @@ def main():
                     else:  # speed: warm-up call (captures the graph), then timed calls over both prompt sets
                         first = {}
                         for name, engine in built.items():
-                            first[name] = engine.generate(sets[0], max_new_tokens=max_new, eos_token_id=eos)
-                            kw = dict(max_new_tokens=max_new, eos_token_id=eos)
+                            first[name] = engine.generate(sets[0], max_new_tokens=max_new, eos_token_id=eos, **lk)
+                            kw = dict(max_new_tokens=max_new, eos_token_id=eos, **lk)
                             row[f"{name}_tok_per_s"] = tok_per_s(engine, sets, args.reps, args.device, **kw)
                             row[f"{name}_mode"] = engine.last_mode
                             if args.sampled:  # T=1: warm-up (captures the sampled graph), then the timed calls

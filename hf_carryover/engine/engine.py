@@ -11,9 +11,12 @@ Every round, for all b rows at once:
      drafted EOS excepted: generate() never verifies those).
 With `prompt_lookup_num_tokens=N` (context lookup, as in the generate() path) a row whose committed sequence ends
 in a 3- or 4-gram seen earlier proposes the tokens that followed it instead of its drafted block
-(`generation_carryover.batched_context_lookup`, the generate() path's own rule, run on the device);
-the drafter still drafts every row (a fixed-shape round cannot skip it for some rows), and slots past a shorter
-lookup are marked invalid, so they are never accepted. Without a drafter this is prompt-lookup decoding.
+(`generation_carryover.batched_context_lookup`, the generate() path's own rule, run on the device); slots past a
+shorter lookup are marked invalid, so they are never accepted. Without a drafter this is prompt-lookup decoding.
+A round cannot skip the drafter for some rows (fixed shapes), but when every unfinished row will look up, the whole
+round runs without it (a second captured variant): each round ends by computing the next round's lookup, and the
+host's one read per round fetches two flags, "all rows done" and "all rows look up". At batch 1 that skips the
+drafter in every looked-up round, as the generate() path does.
 No tensor changes shape between rounds; rollback is moving a row's position. Without a drafter the same loop
 is plain autoregressive decoding (k = 0). A round reads and writes only the static tensors of a `DecodeState`
 (and the caches) in place, so the same code runs eagerly and, with `cuda_graphs=True` on CUDA, as one replayed
@@ -66,6 +69,10 @@ class DecodeState:
         self.round = zeros()  # device-side round counter, the column of `accepted` to write
         self.seq = zeros(b, seq_len)  # committed tokens at their positions (prompt, anchor, emitted): for lookup
         self.looked = zeros(b, max(max_new, 1), dtype=torch.bool)  # per row and round: proposals came from lookup
+        # the next round's context lookup, computed at the end of the previous round (or after the prefill), so that
+        # the host learns whether that round needs the drafter from the same read that tells it whether to go on
+        self.look, self.n_look = zeros(b, k), zeros(b)
+        self.flags = zeros(2, dtype=torch.bool)  # [every row done, every unfinished row looks up]: read once a round
         self.eos = zeros(n_eos)
         self.carry = zeros(b, k, n_feat, dtype=feat_dtype) if n_feat else None  # last verification's rows 1..k
         self.carry_valid = zeros(b, k, dtype=torch.bool)
@@ -87,6 +94,9 @@ class DecodeState:
         self.n_out.fill_(1)
         self.eos.copy_(eos)
         self.done.copy_(_is_eos(anchor, self.eos) | (self.n_out >= self.max_new))
+        self.flags.copy_(torch.stack([self.done.all(), torch.zeros_like(self.done[0])]))
+        self.look.zero_()
+        self.n_look.zero_()
         self.accepted.fill_(-1)
         self.round.zero_()
         if self.carry is not None:  # nothing valid in the first round; any positions do
@@ -101,7 +111,7 @@ class DecodeState:
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor a round writes (state and both caches): what capture must snapshot and restore."""
         own = [self.anchor, self.anchor_pos, self.n_out, self.done, self.out, self.accepted, self.round,
-               self.carry_valid, self.carry_pos, self.seq, self.looked]
+               self.carry_valid, self.carry_pos, self.seq, self.looked, self.look, self.n_look, self.flags]
         own += [self.carry] if self.carry is not None else []
         caches = self.cache.k + self.cache.v
         if self.dcache is not None:
@@ -111,7 +121,7 @@ class DecodeState:
 
 class SpeculativeEngine:
     def __init__(self, target, drafter=None, max_len: int = 2048, profile: bool = False, cuda_graphs: bool = False,
-                 compile: bool = False):
+                 compile: bool = False, lookup_skips_drafter: bool = True):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -129,7 +139,14 @@ class SpeculativeEngine:
         compares it with eager decoding. A shape compiles once (first call), like a capture. Sampled rounds are
         compiled and captured too: their uniforms come from the call's `torch.Generator` outside the round, the
         same stream in every mode, so a seed gives the eager round's tokens (tested on CPU with compile; a graph
-        replays the eager round's kernels, which `trainer/gpu_engine_check.py` compares on the GPU)."""
+        replays the eager round's kernels, which `trainer/gpu_engine_check.py` compares on the GPU).
+
+        lookup_skips_drafter=True (with context lookup): a round in which every unfinished row looks up runs without
+        the drafter (its drafted block would be discarded anyway; output and rounds are the same either way, tested).
+        False drafts in every round, which is what the benchmark compares against. `self.skipped_drafts` counts the
+        last call's rounds that skipped it."""
+        self.lookup_skips_drafter = lookup_skips_drafter
+        self.skipped_drafts = 0
         self.profile = profile
         self.compile = compile
         self._compiled_round = torch.compile(self._round, dynamic=False) if compile else None
@@ -245,24 +262,26 @@ class SpeculativeEngine:
         return a, nxt
 
     # ------------------------------------------------------------------ one round
-    def _round(self, st: DecodeState, do_sample=False, clock=None, lookup=0):
+    def _round(self, st: DecodeState, do_sample=False, clock=None, lookup=0, draft=True):
         """One round for all rows: reads `st`, writes it (and the caches) in place. No host sync, no Python
         branch on tensor values, no shape that depends on the prompt: eager and captured rounds are the same code.
         Sampled rounds read their uniforms and temperature from `st` (`st.draw` fills them before each round).
-        `lookup` > 0: context lookup of up to that many tokens (a Python int: one graph per value)."""
+        `lookup` > 0: context lookup of up to that many tokens (a Python int: one graph per value), read from the
+        state (computed by the previous round); the round ends by computing the next one's. `draft=False` (a Python
+        bool: its own graph) skips the drafter; only valid when every unfinished row looks up (`st.flags[1]`)."""
         clock = clock or _Clock(False, None, None)
         k, steps = st.k, self._steps
         clock.start()
-        if self.drafter is not None:
+        if self.drafter is not None and draft:
             on = self.drafter.config.carryover
             drafts, q = self._draft(st.dcache, st.anchor, st.anchor_pos, st.carry if on else None, st.carry_pos,
                                     st.carry_valid if on else st.carry_valid[:, :0], st.noise, st.temperature,
                                     do_sample)
-        else:
-            drafts, q = st.anchor[:, None].expand(-1, k), None  # [b, k]: k = 0 (plain decoding) or lookup filler
+        else:  # [b, k]: k = 0 (plain decoding) or lookup filler (a skipped drafter: every unfinished row looks up)
+            drafts, q = st.anchor[:, None].expand(-1, k), None
         valid = None
         if lookup:
-            look, n_look, _ = batched_context_lookup(st.seq, st.anchor_pos + 1, k, lookup)  # [b, k], [b]
+            look, n_look = st.look.clone(), st.n_look.clone()  # [b, k], [b]: this round's lookup (overwritten below)
             hit = n_look > 0
             if self.drafter is not None:  # a miss keeps the drafted block, every slot proposed
                 n_look = torch.where(hit, n_look, torch.full_like(n_look, k))
@@ -318,7 +337,18 @@ class SpeculativeEngine:
         st.anchor.copy_(torch.where(new_done, st.anchor, nxt))
         st.n_out.copy_(new_n_out)
         st.done.copy_(new_done)
+        all_look = self._lookup_next(st, lookup) if lookup else torch.zeros_like(new_done[0])
+        st.flags.copy_(torch.stack([new_done.all(), all_look]))
         clock.lap("other")
+
+    @staticmethod
+    def _lookup_next(st: DecodeState, lookup: int) -> torch.Tensor:
+        """Store the next round's context lookup in `st` (from the committed sequence as it now stands) and return
+        whether every unfinished row has one (a 0-d bool tensor; no sync)."""
+        look, n_look, _ = batched_context_lookup(st.seq, st.anchor_pos + 1, st.k, lookup)  # [b, k], [b]
+        st.look.copy_(look)
+        st.n_look.copy_(n_look)
+        return ((n_look > 0) | st.done).all()
 
     # ------------------------------------------------------------------ loop
     @torch.no_grad()
@@ -365,22 +395,32 @@ class SpeculativeEngine:
             st.dcache.write(self.drafter, self.drafter.fuse(feats), pos)
         st.reset(anchor, plen, eos, toks)
         st.temperature.fill_(temperature)
+        if lookup:  # the first round's lookup (later rounds compute the next one's at their end)
+            st.flags[1] = self._lookup_next(st, lookup)
 
-        graph, self.last_mode = self._graph(st, dev, do_sample, lookup)
+        # round variants: drafted (True) and, with lookup and a drafter, one that skips the drafter (False)
+        skip_ok = bool(lookup) and self.drafter is not None and self.lookup_skips_drafter
+        graphs, modes = {}, {}
+        for draft in (True, False) if skip_ok else (True,):
+            graphs[draft], modes[draft] = self._graph(st, dev, do_sample, lookup, draft)
+        self.last_mode = modes[True]
         step = self._round_fn(do_sample)
-        if graph is None and step is self._compiled_round:
+        if graphs[True] is None and step is self._compiled_round:
             self.last_mode += " +compile"
-        if graph is not None:
-            while not bool(st.done.all()):  # the one host sync per round
-                if do_sample:
-                    st.draw(gen)  # outside the graph: the generator advances exactly as in the eager loop
-                graph.replay()
-        else:
-            clock = _Clock(self.profile, dev, self.timing)
-            while not bool(st.done.all()):  # the one host sync per round (outputs stay on the device)
-                if do_sample:
-                    st.draw(gen)
-                step(st, do_sample, clock, lookup)
+        clock = _Clock(self.profile, dev, self.timing)
+        self.skipped_drafts = 0
+        while True:
+            all_done, all_look = st.flags.tolist()  # the one host sync per round (outputs stay on the device)
+            if all_done:
+                break
+            draft = not (skip_ok and all_look)
+            self.skipped_drafts += not draft
+            if do_sample:
+                st.draw(gen)  # outside the graph: the generator advances exactly as in the eager loop
+            if graphs[draft] is not None:
+                graphs[draft].replay()
+            else:
+                step(st, do_sample, clock, lookup, draft)
         log = st.accepted[:, : int(st.round)].tolist()
         self.rounds = [[x for x in row if x >= 0] for row in log]
         looked = st.looked[:, : int(st.round)].tolist()
@@ -395,7 +435,7 @@ class SpeculativeEngine:
             return self._compiled_round
         return self._round
 
-    def _graph(self, st: DecodeState, dev, do_sample, lookup=0):
+    def _graph(self, st: DecodeState, dev, do_sample, lookup=0, draft=True):
         """(captured round or None, mode string). Captures on the first call for this shape; a failed capture is
         remembered (and warned about once), and that shape then decodes eagerly, never with a broken graph."""
         if not self.cuda_graphs:
@@ -404,13 +444,13 @@ class SpeculativeEngine:
             return None, "eager (no CUDA)"
         if self.profile:  # phase timing needs syncs inside the round
             return None, "eager (profile)"
-        key = (st.b, st.k, st.cap, st.eos.numel(), do_sample, lookup)
+        key = (st.b, st.k, st.cap, st.eos.numel(), do_sample, lookup, draft)
         if key not in self._graphs:
             if bool(st.done.all()):  # nothing to decode: do not capture on a finished state
                 return None, "eager (nothing to decode)"
             try:
                 step = self._round_fn(do_sample)
-                self._graphs[key] = capture_round(lambda: step(st, do_sample, None, lookup), st.tensors())
+                self._graphs[key] = capture_round(lambda: step(st, do_sample, None, lookup, draft), st.tensors())
             except Exception as e:  # noqa: BLE001  (any capture error: decode eagerly instead)
                 self._graphs[key] = f"{type(e).__name__}: {e}"
                 warnings.warn(f"CUDA-graph capture failed for batch {st.b}; decoding eagerly: {self._graphs[key]}",
