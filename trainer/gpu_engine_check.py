@@ -44,11 +44,13 @@ TINY = dict(vocab_size=128, hidden_size=48, intermediate_size=96, num_hidden_lay
             num_key_value_heads=1, head_dim=16)  # SmolLM2's 3:1 GQA, a few layers
 
 
-def prompt_sets(b, vocab, seed):
-    """Two batches of b random prompts (5..74 tokens) whose lengths differ: the graph must not depend on them."""
+def prompt_sets(b, vocab, seed, loop=False):
+    """Two batches of b random prompts (5..74 tokens) whose lengths differ: the graph must not depend on them.
+    loop=True repeats each prompt three times, so that context lookup finds matches."""
     g = torch.Generator().manual_seed(seed)
     lengths = ([(23 + 17 * i) % 60 + 5 for i in range(b)], [(12 + 29 * i) % 70 + 3 for i in range(b)])
-    return [[torch.randint(3, vocab - 1, (n,), generator=g).tolist() for n in lens] for lens in lengths]
+    sets = [[torch.randint(3, vocab - 1, (n,), generator=g).tolist() for n in lens] for lens in lengths]
+    return [[p * 3 for p in ps] for ps in sets] if loop else sets
 
 
 def first_diff(ref, out):
@@ -140,10 +142,12 @@ def main():
             torch.manual_seed(1)
             drafter = Drafter.from_target(target, drafter_type="dflash", carryover=True, num_hidden_layers=3,
                                           mask_token_id=16).to(args.device).eval()
-        longest = max(len(x) for x in real) if real else 80
+        longest = max(len(x) for x in real) if real else (240 if args.lookup else 80)
         max_len = longest + max_new + 2 * 16
         out = {"eager": SpeculativeEngine(target, drafter, max_len=max_len, lookup_skips_drafter=False),
                "graph": SpeculativeEngine(target, drafter, max_len=max_len, cuda_graphs=True)}
+        if args.lookup:  # the eager engine skipping the drafter where every row looks up, against drafting always
+            out["eager_skip"] = SpeculativeEngine(target, drafter, max_len=max_len)
         if args.compile:
             out["graph_compile"] = SpeculativeEngine(target, drafter, max_len=max_len, cuda_graphs=True, compile=True)
         return out
@@ -165,7 +169,8 @@ def main():
                 try:
                     built = engines(target, kind)
                     eager, graph = built["eager"], built["graph"]
-                    sets = [real[:b], real[b:2 * b]] if real else prompt_sets(b, target.config.vocab_size, seed=b)
+                    sets = ([real[:b], real[b:2 * b]] if real else
+                            prompt_sets(b, target.config.vocab_size, seed=b, loop=bool(args.lookup)))
                     if dtype_name == "fp32":  # exactness: both prompt sets, tokens and rounds
                         refs = []  # eager decoding once per set, compared with every other engine
                         for prompts in sets:
@@ -180,7 +185,7 @@ def main():
                                 if out != ref or engine.rounds != ref_rounds:
                                     mismatches.append({"set": i, "first_diff_at": first_diff(ref, out),
                                                        "rounds_equal": engine.rounds == ref_rounds})
-                            tag = "" if name == "graph" else "compile_"
+                            tag = {"graph": "", "graph_compile": "compile_", "eager_skip": "eager_skip_"}[name]
                             row.update({f"{tag}exact": not mismatches, f"{tag}mismatches": mismatches,
                                         f"{tag}mode": engine.last_mode, f"{tag}graphs": len(engine._graphs),
                                         f"{tag}skipped_drafts": engine.skipped_drafts})
@@ -199,7 +204,19 @@ def main():
                         out_g = graph.generate(sets[0], **kw)
                         row.update({"graph_sampled_same_tokens": out_g == ref_s and graph.rounds == eager.rounds,
                                     "graph_sampled_first_diff_at": first_diff(ref_s, out_g),
-                                    "graph_sampled_mode": graph.last_mode})
+                                    "graph_sampled_mode": graph.last_mode,
+                                    "graph_sampled_skipped_drafts": graph.skipped_drafts})
+                        if args.lookup:  # replayed rounds that draft always: tells a graph effect from a skip effect
+                            ga = SpeculativeEngine(target, graph.drafter, max_len=graph.max_len, cuda_graphs=True,
+                                                   lookup_skips_drafter=False)
+                            out_a = ga.generate(sets[0], **kw)
+                            row.update({"graph_always_sampled_same_tokens": out_a == ref_s,
+                                        "graph_always_sampled_first_diff_at": first_diff(ref_s, out_a)})
+                        if "eager_skip" in built:  # sampled rounds that skip the drafter, eagerly
+                            out_e = built["eager_skip"].generate(sets[0], **kw)
+                            row.update({"eager_skip_sampled_same_tokens": out_e == ref_s,
+                                        "eager_skip_sampled_first_diff_at": first_diff(ref_s, out_e),
+                                        "eager_skip_sampled_skipped_drafts": built["eager_skip"].skipped_drafts})
                         if "graph_compile" in built:  # compiled sampled rounds: same seed, same draws?
                             # Informative, not part of all_exact: fused kernels may move a draw that sits on a
                             # probability boundary, which is still a draw from the same distribution
@@ -232,6 +249,8 @@ def main():
             torch.cuda.empty_cache()
     rows = res["rows"]
     res["all_exact"] = bool(rows) and all(r.get("exact", True) and r.get("compile_exact", True) and "error" not in r
+                                          and r.get("eager_skip_exact", True)
+                                          and r.get("eager_skip_sampled_same_tokens", True)
                                           and r.get("plain_greedy_exact", True)
                                           and r.get("graph_sampled_same_tokens", True) for r in rows)
     res["graphs_used"] = bool(rows) and all(r.get("mode", r.get("graph_mode")) == "cuda_graph" for r in rows)
