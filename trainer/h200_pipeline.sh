@@ -60,6 +60,10 @@
 # four engine calls with --lookup 15 (engine_lookup / engine_pld / hf_spec_lookup rows); ~26 device-minutes, two starts.
 # Run of 2026-12-01 (examples/results/h200-2026-12-01/): vllmstash (.device/p1, assets/prompts); vllmstash (the
 # Carryover drafter); one engine call: HF rows with static and dynamic rounds, gencheck and profile (~8.5 minutes).
+# Second run of 2026-12-01 (examples/results/h200-2026-12-01b/), one H200: vllmstash x2; engine (check with
+# CHECK_LOOKUP=15, compiled b1 rows with engine_lookup_always_draft); a fresh start; engine (check, throughput with
+# lookup); engine (HF rows with hf_own_dflash); engine (4B projection, graphs and compile); a fresh start and an inline
+# gpu_engine_check.py --lookup 15 (30 minutes). A job's drafter field may be empty ("engine_ar engine||mtbench|...").
 # vllmstash now refreshes the stashed folders' remote code: a folder saved by an older commit runs its own copy.
 # With drafter weights committed in model_cards/, run `bash trainer/device_tree.sh light` before the calls.
 # Checkpoints: stage2 packs all four drafters in bf16 and queues them as tar parts (DFlash pair first); each call
