@@ -181,6 +181,9 @@ def test_engine_lookup_compiled_and_graph_plumbing(monkeypatch):
     assert graphed.last_mode == "cuda_graph" and len(captured) == 3
     assert graphed.skipped_drafts > 0
     assert plain == ref  # greedy either way
+    # sampled lookup rounds through the same loop (two more captures): the eager engine's tokens and rounds
+    assert graphed.generate(prompts, do_sample=True, temperature=0.8, seed=3, **kw) == sampled
+    assert (graphed.rounds, graphed.lookup_rounds) == sampled_rounds and len(captured) == 5
 
 
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])
