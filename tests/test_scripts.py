@@ -221,6 +221,17 @@ def test_gpu_engine_check_tiny_cpu(tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["compile_exact"] and row["compile_sampled_same_tokens"], row
     assert row["compile_sampled_mode"] == "eager (no CUDA) +compile"
+    # --lookup --deterministic: looping prompts, so lookup rounds and drafter-free rounds happen; the skipping eager
+    # engine equals the always-drafting one, greedy and sampled; bf16 rows repeat their tokens
+    cmd_l = cmd[:-3] + ["--lookup", "3", "--deterministic", "--kinds", "dflash", "--batch_sizes", "1", "--out", str(out)]
+    res = subprocess.run(cmd_l, env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    summary = json.loads(out.read_text())
+    fp32, bf16 = summary["rows"]
+    assert summary["all_exact"] and summary["deterministic"] and summary["lookup"] == 3
+    assert fp32["eager_skip_exact"] and fp32["eager_skip_skipped_drafts"] > 0
+    assert fp32["eager_skip_sampled_same_tokens"] and fp32["graph_always_sampled_same_tokens"]
+    assert bf16["graph_repeat_same_tokens"]
 
 
 def test_gpu_engine_check_trained_drafter_real_prompts_cpu(tmp_path):

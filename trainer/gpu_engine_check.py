@@ -19,6 +19,8 @@ the eager engine's tokens are also compared with plain greedy `target.generate` 
 With --lookup N every engine call uses context lookup (prompt_lookup_num_tokens=N); the eager reference engine then
 drafts in every round (`lookup_skips_drafter=False`) while the graph engines skip the drafter in rounds where every
 row looks up (their own captured variant), so exactness also covers that variant (`skipped_drafts` counts them).
+With --deterministic, PyTorch's deterministic algorithms (warn only) and a fixed cuBLAS workspace; bf16 rows record
+`graph_repeat_same_tokens` (a second identical call on the graph engine) either way.
 Every row records `mode` (`engine.last_mode`: "cuda_graph", or why it ran eagerly). Rows are written to --out as
 soon as they are known; a failing row records its error instead of stopping the script. On CPU the graph
 engine runs eagerly ("eager (no CUDA)"), so only the plumbing is checked there.
@@ -102,7 +104,12 @@ def main():
                    "two prompt sets from")
     p.add_argument("--dataset", default="mtbench", help="the prompt file of --prompts_dir")
     p.add_argument("--lookup", type=int, default=None, help="context lookup of up to N tokens in every engine call")
+    p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True, "
+                   "warn_only=True) and CUBLAS_WORKSPACE_CONFIG=:4096:8: does run-to-run or eager/replay variation go?")
     args = p.parse_args()
+    if args.deterministic:  # before the first cuBLAS handle is made (CUDA initialises lazily)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     if args.drafter and not args.target:
         p.error("--drafter needs --target: a trained drafter is bound to the target it was trained for")
     if bool(args.target) != bool(args.prompts_dir):
@@ -124,6 +131,7 @@ def main():
            "max_new_tokens": max_new, "target": args.target or "random SmolLM2-shaped",
            "drafter": args.drafter or "random dflash (Carryover on)",
            "prompts": f"{args.prompts_dir}/{args.dataset}" if real else "random tokens", "lookup": args.lookup,
+           "deterministic": args.deterministic,
            "rows": []}
     lk = {"prompt_lookup_num_tokens": args.lookup} if args.lookup else {}  # every engine call
 
@@ -247,6 +255,9 @@ def main():
                                 row[f"{name}_sampled_mode"] = engine.last_mode
                         row["speedup"] = row["graph_tok_per_s"] / row["eager_tok_per_s"]
                         row["same_tokens"] = first["eager"] == first["graph"]  # informative: bf16 near-ties
+                        # run to run: the same call again on the graph engine (greedy bf16 has varied between passes)
+                        row["graph_repeat_same_tokens"] = graph.generate(sets[0], max_new_tokens=max_new,
+                                                                         eos_token_id=eos, **lk) == first["graph"]
                         if "graph_compile" in first:
                             row["compile_over_graph"] = row["graph_compile_tok_per_s"] / row["graph_tok_per_s"]
                             row["compile_same_tokens"] = first["eager"] == first["graph_compile"]
