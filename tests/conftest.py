@@ -74,6 +74,13 @@ def make_prompt(length: int, vocab_size: int = VOCAB, seed: int = 1234) -> torch
     return torch.randint(0, vocab_size - 1, (1, length), generator=g)  # never the mask row (vocab-1)
 
 
+def left_padded_prompt(n_pad: int, length: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch-1 prompt of `length` tokens after `n_pad` pad tokens, and its attention mask `[1, n_pad + length]`."""
+    ids = torch.cat([torch.full((1, n_pad), pad), make_prompt(length)], dim=1)
+    mask = torch.cat([torch.zeros(1, n_pad, dtype=torch.long), torch.ones(1, length, dtype=torch.long)], dim=1)
+    return ids, mask
+
+
 def greedy(target, ids, max_new_tokens: int, **kwargs) -> torch.Tensor:
     return target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
 

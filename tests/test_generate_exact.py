@@ -13,7 +13,7 @@ from hf_carryover import CarryoverCandidateGenerator
 
 from conftest import (
     ARCHS, DRAFTER_TYPES, VOCAB, assert_clear_argmax, build_drafter, build_target, check_round_stats, greedy,
-    make_prompt, oracle_choose, speculative,
+    left_padded_prompt, make_prompt, oracle_choose, speculative,
 )
 
 MAX_NEW = 23  # block 4: dflash drafts 3, markov 4 per round; 23 ends inside a block for both
@@ -233,8 +233,7 @@ def test_left_padded_prompt(drafter_type, record_calls):
     """Batch-1 left padding: output equals plain greedy on the same padded input; the drafter hides pad rows."""
     pad = VOCAB - 2
     target = build_target("llama", pad_token_id=pad)
-    ids = torch.cat([torch.full((1, 3), pad), make_prompt(6)], dim=1)
-    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 6, dtype=torch.long)], dim=1)
+    ids, mask = left_padded_prompt(3, 6, pad)
     ref = greedy(target, ids, 15, attention_mask=mask)
     drafter = build_drafter(target, drafter_type, True)
     out = speculative(target, drafter, ids, 15, attention_mask=mask)

@@ -14,7 +14,9 @@ import torch
 from hf_carryover import CarryoverCandidateGenerator
 from hf_carryover.generation_carryover import StaticDraftRound
 
-from conftest import ARCHS, DRAFTER_TYPES, VOCAB, build_drafter, build_target, greedy, make_prompt, oracle_choose
+from conftest import (
+    ARCHS, DRAFTER_TYPES, VOCAB, build_drafter, build_target, greedy, left_padded_prompt, make_prompt, oracle_choose,
+)
 
 
 def _corrupt(r, j):  # rounds accept 1, all, 0, 3, ... proposals: every carryover size from 0 to the block
@@ -77,8 +79,7 @@ def test_static_rounds_left_padding(drafter_type, monkeypatch):
     """Pad rows are not written: the real prompt starts at position 0, as in the dynamic path's masked cache."""
     pad = VOCAB - 2
     target = build_target("llama", pad_token_id=pad)
-    ids = torch.cat([torch.full((1, 3), pad), make_prompt(6)], dim=1)
-    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 6, dtype=torch.long)], dim=1)
+    ids, mask = left_padded_prompt(3, 6, pad)
     ref = greedy(target, ids, 30, attention_mask=mask)
     drafter = build_drafter(target, drafter_type, True)
     out_d, logits_d, _ = _run(target, drafter, ids, 30, False, monkeypatch, ref, attention_mask=mask)
