@@ -12,6 +12,8 @@ target's greedy rollout whatever is drafted, so every rule can be replayed exact
 - `lookup`: the continuation after the earliest occurrence of the context's last n tokens (n = 4, 3, 2),
   as transformers' prompt-lookup decoding proposes; a round without a match decodes one token;
 - `hybrid`: the lookup continuation where a match of at least `--min_ngram` tokens exists, else the drafter's block;
+- `hybrid_fill`: as `hybrid`, but a lookup shorter than the block is followed by the drafter's proposals for the slots
+  after it (instead of filler that is never accepted): the same verified rows, so it can only accept more;
 - `both`: both candidates verified in one target forward (a two-branch tree), the longer accepted one kept: a real
   method at twice the verified rows, so also the upper bound of any rule that picks one of the two.
 τ here is tokens per target forward over all rounds (a lookup round without a match counts as a forward for one token).
@@ -79,6 +81,8 @@ def replay(tokens: list[int], plen: int, props: torch.Tensor, rule: str, min_ngr
             return accepted(look, tokens, t)
         if rule == "hybrid":
             return accepted(look if n >= min_ngram else d, tokens, t)
+        if rule == "hybrid_fill":
+            return accepted(look + d[len(look):] if n >= min_ngram else d, tokens, t)
         return max(accepted(d, tokens, t), accepted(look, tokens, t))  # both branches verified
 
     return walk_rounds(tokens, plen, props.shape[1], accept_at)
@@ -119,7 +123,7 @@ def main(argv=None):
                          "give a drafter without it")
     drafter.bind_target(target)
     eos = target.generation_config.eos_token_id
-    rules = ["drafter", "lookup", "hybrid", "both"]
+    rules = ["drafter", "lookup", "hybrid", "hybrid_fill", "both"]
     res = {"command": " ".join(["python"] + sys.argv), "environment": environment(), "drafter": args.drafter,
            "max_new_tokens": args.max_new_tokens, "min_ngram": args.min_ngram, "datasets": {}}
     for ds in args.datasets:

@@ -510,6 +510,13 @@ def test_lookup_hybrid_rules():
     assert sum(a + 1 for a in look) in (len(loop) - 1 - plen, len(loop) - 2 - plen) and max(look) == 3
     for rule in ("lookup", "hybrid", "drafter"):
         assert len(lh.replay(loop, plen, none, "both", 3)) <= len(lh.replay(loop, plen, none, rule, 3))
+    # a drafter that is always right: a lookup shorter than the block (2 of 3 slots, early in the loop) ends the hybrid
+    # round there, while hybrid_fill goes on with the drafter's proposal for the third slot
+    oracle = torch.tensor([[loop[t + 1 + j] if t + 1 + j < len(loop) else 0 for j in range(3)]
+                           for t in range(plen, len(loop) - 1)])
+    hyb, fill = lh.replay(loop, plen, oracle, "hybrid", 3), lh.replay(loop, plen, oracle, "hybrid_fill", 3)
+    first = next(i for i, (x, y) in enumerate(zip(hyb, fill)) if x != y)
+    assert (hyb[first], fill[first]) == (2, 3)
 
 
 def test_benchmark_refuses_lookup_rows_the_drafter_code_ignores(monkeypatch):
