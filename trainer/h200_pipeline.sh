@@ -484,8 +484,9 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
   # override the defaults below (e.g. --compile, --limit 32 --batch_sizes 1 2 4 8 16, --temperature 1) and an optional
   # fifth field, the job's time box in seconds (default ENGINE_BOX). The job
   # "profile" splits a generate() round's time on the GPU (examples/profile_generate.py --device cuda); the job
-  # "check" runs the fp32 exactness check of compiled rounds (CHECK_SECONDS, CHECK_KINDS, CHECK_BATCHES, CHECK_LOOKUP): a random
-  # drafter, or with CHECK_DRAFTER=NAME a trained one on the real target, also against plain greedy decoding. The job
+  # "check" runs the fp32 exactness check of compiled rounds (CHECK_SECONDS, CHECK_KINDS, CHECK_BATCHES, CHECK_LOOKUP,
+  # CHECK_DETERMINISTIC=1): a random drafter, or with CHECK_DRAFTER=NAME a trained one on the real target, also
+  # against plain greedy decoding. The job
   # "gencheck" checks generate()'s static rounds (trainer/gpu_generate_check.py, GENCHECK_* below).
   # Each job's rows land in $R/<HHMMSS of this call>_gpu<g>_<job>/bench_raw.jsonl (a later call on the same warm
   # machine gets its own folders), flushed to $OUT after every job.
@@ -498,7 +499,8 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
       T=""; if [ -n "${CHECK_DRAFTER:-}" ]; then f=$A/drafters/$CHECK_DRAFTER; [ -d $f ] || f=$A/runs/$CHECK_DRAFTER/final
         T="--target reference --drafter $f --prompts_dir $A/prompts"; fi
       CUDA_VISIBLE_DEVICES=$1 timeout ${CHECK_SECONDS:-200} $(pin $1) python3 trainer/gpu_engine_check.py --compile --dtypes fp32 \
-        --kinds ${CHECK_KINDS:-dflash} --batch_sizes ${CHECK_BATCHES:-1} $T ${CHECK_LOOKUP:+--lookup $CHECK_LOOKUP} --out $R/${stamp}_engine_check_fp32.json \
+        --kinds ${CHECK_KINDS:-dflash} --batch_sizes ${CHECK_BATCHES:-1} $T ${CHECK_LOOKUP:+--lookup $CHECK_LOOKUP} \
+        ${CHECK_DETERMINISTIC:+--deterministic} --out $R/${stamp}_engine_check_fp32.json \
         > "$L/check_$stamp.log" 2>&1 || log "engine check stopped: $?"
       flush; return
     fi
