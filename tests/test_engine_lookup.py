@@ -19,6 +19,10 @@ from hf_carryover.engine.engine import SpeculativeEngine
 from hf_carryover.generation_carryover import batched_context_lookup, context_lookup
 
 
+# (a, c, x) for every token x, then (a, c): the first round looks up whatever the prefill chose
+LOOPING_PROMPTS = [[t for x in range(96) for t in (a, c, x)] + [a, c] for a, c in ((7, 1), (5, 2))]
+
+
 def naive_lookup(tokens, num, max_ngram=4, min_ngram=3):
     """The rule written as plainly as possible: the longest suffix n-gram (max_ngram..min_ngram) that occurs earlier,
     its earliest occurrence, and up to `num` tokens that follow it inside the sequence."""
@@ -153,8 +157,7 @@ def test_engine_lookup_compiled_and_graph_plumbing(monkeypatch):
 
     target = build_target("llama", seed=5)
     drafter = build_drafter(target, "dflash", True)
-    # (a, c, x) for every token x, then (a, c): the first round looks up whatever the prefill chose
-    prompts = [[t for x in range(96) for t in (a, c, x)] + [a, c] for a, c in ((7, 1), (5, 2))]
+    prompts = LOOPING_PROMPTS
     kw = dict(max_new_tokens=20, prompt_lookup_num_tokens=4)
     eager = SpeculativeEngine(target, drafter, max_len=340)
     ref = eager.generate(prompts, **kw)
@@ -196,7 +199,7 @@ def test_rounds_that_all_look_up_skip_the_drafter(do_sample):
     drafter = build_drafter(target, "dflash", True)
     calls = []
     drafter.register_forward_hook(lambda *a: calls.append(1))
-    looping = [[t for x in range(96) for t in (a, c, x)] + [a, c] for a, c in ((7, 1), (5, 2))]
+    looping = LOOPING_PROMPTS
     g = torch.Generator().manual_seed(4)
     mixed = [looping[0], torch.randint(1, 90, (40,), generator=g).tolist()]  # the second row rarely looks up
     kw = dict(max_new_tokens=24, prompt_lookup_num_tokens=4, do_sample=do_sample, temperature=0.8, seed=3)

@@ -217,13 +217,15 @@ def main():
                         if args.lookup:  # where a sampled lookup run parts from the eager one: lengths and rounds
                             row["sampled_detail"] = {
                                 "lengths": {"eager": [len(x) for x in ref_s], "graph": [len(x) for x in out_g]},
-                                "eager_rounds": [list(zip(a, lk)) for a, lk in zip(eager.rounds, eager.lookup_rounds)],
-                                "graph_rounds": [list(zip(a, lk)) for a, lk in zip(graph.rounds, graph.lookup_rounds)]}
+                                "eager_rounds": [list(zip(a, looked)) for a, looked
+                                                 in zip(eager.rounds, eager.lookup_rounds)],
+                                "graph_rounds": [list(zip(a, looked)) for a, looked
+                                                 in zip(graph.rounds, graph.lookup_rounds)]}
                             # control: the same sampled call without lookup (replay equalled eager there before)
                             kw0 = {x: v for x, v in kw.items() if x != "prompt_lookup_num_tokens"}
                             row["nolookup_graph_sampled_same_tokens"] = (graph.generate(sets[0], **kw0)
                                                                          == eager.generate(sets[0], **kw0))
-                        if args.lookup:  # replayed rounds that draft always: tells a graph effect from a skip effect
+                            # replayed rounds that draft always: tells a graph effect from a skip effect
                             ga = SpeculativeEngine(target, graph.drafter, max_len=graph.max_len, cuda_graphs=True,
                                                    lookup_skips_drafter=False)
                             out_a = ga.generate(sets[0], **kw)
