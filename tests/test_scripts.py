@@ -565,3 +565,28 @@ def test_datastore_lookup_rules():
     for rule in ("drafter", "hybrid", "hybrid_ds_first", "hybrid_ds_walk"):
         assert rounds["best_of_3"][0] >= rounds[rule][0]  # first round: the same anchor for every rule
     assert len(rounds["hybrid_ds_walk"]) < len(rounds["drafter"])  # the corpus continuation is accepted sometimes
+
+
+def test_replay_diff_finds_where_runs_part():
+    """trainer/gpu_replay_diff.py's recording and comparison: the hook sees every round, identical runs compare equal
+    throughout, and two seeds part at round 0 in their uniforms, then in their tokens."""
+    sys.path.insert(0, str(ROOT / "trainer"))
+    from conftest import build_target
+    from gpu_replay_diff import compare, record
+
+    from hf_carryover.engine.engine import SpeculativeEngine
+
+    target = build_target("llama")
+    engine = SpeculativeEngine(target, build_drafter(target, "dflash", True), max_len=96)
+    prompt = [[5, 9, 13, 7, 5, 9, 13, 7, 5, 9]]
+    kw = dict(max_new_tokens=20, do_sample=True, prompt_lookup_num_tokens=4)
+    a = record(engine, prompt, seed=1, **kw)
+    (st,) = engine._states.values()
+    assert engine.round_hook is None and len(a[1]) == int(st.round) >= len(engine.rounds[0]) > 1
+    b, c = record(engine, prompt, seed=1, **kw), record(engine, prompt, seed=2, **kw)
+    same = compare(a, b)
+    assert same["same_tokens"] and same["first_token_round"] is None and same["first_carry_round"] is None
+    assert same["max_carry_diff_before_parting"] == 0.0
+    other = compare(a, c)
+    assert other["first_noise_round"] == 0
+    assert not other["same_tokens"] and other["first_token_round"] is not None and "parting" in other

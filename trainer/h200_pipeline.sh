@@ -487,7 +487,8 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
   # "check" runs the fp32 exactness check of compiled rounds (CHECK_SECONDS, CHECK_KINDS, CHECK_BATCHES, CHECK_LOOKUP,
   # CHECK_DETERMINISTIC=1): a random drafter, or with CHECK_DRAFTER=NAME a trained one on the real target, also
   # against plain greedy decoding. The job
-  # "gencheck" checks generate()'s static rounds (trainer/gpu_generate_check.py, GENCHECK_* below).
+  # "gencheck" checks generate()'s static rounds (trainer/gpu_generate_check.py, GENCHECK_* below). The job
+  # "replaydiff" compares eager and replayed rounds round by round (trainer/gpu_replay_diff.py, REPLAY_* below).
   # Each job's rows land in $R/<HHMMSS of this call>_gpu<g>_<job>/bench_raw.jsonl (a later call on the same warm
   # machine gets its own folders), flushed to $OUT after every job.
   stamp=$(date +%H%M%S)
@@ -505,6 +506,18 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
       flush; return
     fi
     if [ "$3" = profile ]; then profile_job $1 $stamp; flush; return; fi
+    if [ "$3" = replaydiff ]; then  # trainer/gpu_replay_diff.py: where eager and replayed rounds part, round by round,
+      # on the real target and REPLAY_DRAFTER (default dflash-carryover-gated), without and with --deterministic
+      f=$A/drafters/${REPLAY_DRAFTER:-dflash-carryover-gated}; [ -d $f ] || f=$A/runs/${REPLAY_DRAFTER:-}/final
+      for det in "" --deterministic; do
+        CUDA_VISIBLE_DEVICES=$1 timeout ${REPLAY_SECONDS:-240} $(pin $1) python3 trainer/gpu_replay_diff.py \
+          --target reference --drafter $f --prompts_dir $A/prompts --prompts ${REPLAY_PROMPTS:-2} $det \
+          ${REPLAY_CONFIGS:+--configs $REPLAY_CONFIGS} --out $R/${stamp}_replay_diff${det:+_det}.json \
+          > "$L/replaydiff_${stamp}${det:+_det}.log" 2>&1 || log "replay diff ${det} stopped: $?"
+        flush
+      done
+      return
+    fi
     if [ "$3" = gencheck ]; then  # generate()'s static rounds (CUDA graphs) against plain greedy and the dynamic path,
       # fp32, the real target and GENCHECK_DRAFTER (default dflash-carryover-gated), GENCHECK_LIMIT prompts per dataset
       f=$A/drafters/${GENCHECK_DRAFTER:-dflash-carryover-gated}; [ -d $f ] || f=$A/runs/${GENCHECK_DRAFTER:-}/final

@@ -147,6 +147,9 @@ class SpeculativeEngine:
         last call's rounds that skipped it."""
         self.lookup_skips_drafter = lookup_skips_drafter
         self.skipped_drafts = 0
+        # diagnostics (`trainer/gpu_replay_diff.py`): called with the DecodeState after every round, eager or
+        # replayed; None (the default) costs nothing
+        self.round_hook = None
         self.profile = profile
         self.compile = compile
         self._compiled_round = torch.compile(self._round, dynamic=False) if compile else None
@@ -421,6 +424,8 @@ class SpeculativeEngine:
                 graphs[draft].replay()
             else:
                 step(st, do_sample, clock, lookup, draft)
+            if self.round_hook is not None:
+                self.round_hook(st)
         log = st.accepted[:, : int(st.round)].tolist()
         self.rounds = [[x for x in row if x >= 0] for row in log]
         looked = st.looked[:, : int(st.round)].tolist()
