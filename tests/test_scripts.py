@@ -586,7 +586,8 @@ def test_replay_diff_finds_where_runs_part():
     b, c = record(engine, prompt, seed=1, **kw), record(engine, prompt, seed=2, **kw)
     same = compare(a, b)
     assert same["same_tokens"] and same["first_token_round"] is None and same["first_carry_round"] is None
-    assert same["max_carry_diff_before_parting"] == 0.0
+    assert same["max_carry_diff_before_parting"] == 0.0 and same["first_fwd_target_round"] is None
     other = compare(a, c)
     assert other["first_noise_round"] == 0
     assert not other["same_tokens"] and other["first_token_round"] is not None and "parting" in other
+    assert other["first_fwd_block_round"] is not None and "first_forward_diff" in other

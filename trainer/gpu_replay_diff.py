@@ -22,8 +22,9 @@ against graph. A configuration is `dtype:kind:mode:lookup[:compile]`, e.g. `fp32
         --configs fp32:dflash:sampled:15 fp32:dflash:sampled:0 fp32:dflash:greedy:15 --out $OUT/replay_diff.json
     python trainer/gpu_replay_diff.py --device cpu --tiny --out /tmp/replay_diff.json   # plumbing (all eager)
 
-`--deterministic` sets `CUBLAS_WORKSPACE_CONFIG=:4096:8` and `torch.use_deterministic_algorithms(True,
-warn_only=True)` before CUDA starts. Results are written to --out after every configuration.
+`--determinism all` sets `CUBLAS_WORKSPACE_CONFIG=:4096:8` and `torch.use_deterministic_algorithms(True,
+warn_only=True)` before CUDA starts (`cublas`, `algorithms`, `algorithms_nofill`: one part each, to tell which part
+matters). Results are written to --out after every configuration.
 """
 
 import argparse
@@ -43,6 +44,27 @@ from hf_carryover import Drafter  # noqa: E402
 from hf_carryover.engine.engine import SpeculativeEngine  # noqa: E402
 
 
+PAIRS = {"eager_vs_eager": ("eager", "eager2"), "graph_vs_replay": ("graph", "graph_again"),
+         "graph_vs_fresh_graph": ("graph", "graph2"), "eager_vs_graph": ("eager", "graph")}
+
+
+def probe_cumsum(n, vocab, device):
+    """Repeat one float32 cumsum of a vocabulary-sized distribution, and 1000 inverse-CDF draws from it, n times:
+    how many repetitions differ from the first (CUDA's float cumsum is a decoupled look-back scan whose grouping
+    of additions may change from launch to launch)."""
+    from hf_carryover.engine.engine import inverse_cdf
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    probs = (torch.randn(1, vocab, generator=g) * 3).softmax(-1).to(device)
+    u = torch.rand(1000, generator=g).to(device)
+    ref_c, ref_t = probs.cumsum(-1), inverse_cdf(probs.expand(1000, -1), u)
+    cums = toks = 0
+    for _ in range(n):
+        cums += not torch.equal(probs.cumsum(-1), ref_c)
+        toks += int((inverse_cdf(probs.expand(1000, -1), u) != ref_t).sum())
+    return {"repeats": n, "cumsum_differs": cums, "draws_that_differ": toks, "draws": 1000 * n}
+
+
 def snapshot(st) -> dict:
     """What one round left in the state, copied to the CPU (`.cpu()` alone would alias on a CPU run): exact values,
     so equality means bit-identical."""
@@ -51,38 +73,75 @@ def snapshot(st) -> dict:
     def cp(t):
         return t.to("cpu", copy=True)
 
-    caches = st.cache.k + st.cache.v
+    # caches: sums over committed positions only (past them lie rows of rejected drafts and of earlier calls, which
+    # differ between engines with different histories and are never read)
+    seen = (torch.arange(st.seq.shape[1], device=st.seq.device)[None] < st.anchor_pos[:, None])  # [b, max_len]
+
+    def sums(caches):
+        return cp(torch.stack([(c.double() * seen[:, None, :, None]).sum() for c in caches]))
+
     snap = {"noise": cp(st.noise), "anchor": cp(st.anchor), "anchor_pos": cp(st.anchor_pos), "n_out": cp(st.n_out),
-            "accepted": cp(st.accepted[:, col]), "looked": cp(st.looked[:, col]),
-            "cache": cp(torch.stack([c.double().sum() for c in caches]))}
-    if st.carry is not None:
-        snap["carry"] = cp(st.carry.float())
-        snap["dcache"] = cp(torch.stack([c.double().sum() for c in st.dcache.keys + st.dcache.values]))
+            "accepted": cp(st.accepted[:, col]), "looked": cp(st.looked[:, col]), "look": cp(st.look),
+            "n_look": cp(st.n_look), "seq": cp(torch.where(seen, st.seq, -1)), "cache": sums(st.cache.k + st.cache.v)}
+    if st.carry is not None:  # valid rows only
+        snap["carry"] = cp((st.carry.float() * st.carry_valid[..., None]))
+        snap["dcache"] = sums(st.dcache.keys + st.dcache.values)
     return snap
 
 
 def record(engine, prompts, **kw):
-    """(outputs, per-round snapshots) of one `generate()` call."""
-    snaps = []
-    engine.round_hook = lambda st: snaps.append(snapshot(st))
+    """(outputs, per-round snapshots) of one `generate()` call. Eagerly run rounds also record what went into and
+    came out of each forward (Python hooks never run in a replayed graph): the drafter's hidden states and the block
+    of tokens the target verified, so a parting can be traced to the drafter, the proposals or the target."""
+    snaps, fwd = [], {"drafter": [], "block": [], "target": []}
+    def on_target(module, args, kwargs, out):  # returns None: the output stays as it is
+        fwd["block"].append(kwargs["input_ids"].to("cpu", copy=True))
+        fwd["target"].append(out.logits.float().to("cpu", copy=True))
+
+    def on_drafter(module, args, out):
+        fwd["drafter"].append(out.float().to("cpu", copy=True))
+
+    hooks = []
+    if not engine.cuda_graphs:  # a hook's copy to the CPU would break capture
+        hooks.append(engine.target.register_forward_hook(on_target, with_kwargs=True))
+        if engine.drafter is not None:
+            hooks.append(engine.drafter.register_forward_hook(on_drafter))
+
+    def hook(st):
+        snap = snapshot(st)
+        for name, seen in fwd.items() if hooks else ():  # this round's forwards (eager runs; the prefill's target
+            snap[f"fwd_{name}"] = list(seen)  # call is round 0's first "target")
+            seen.clear()
+        snaps.append(snap)
+
+    engine.round_hook = hook
     try:
         out = engine.generate(prompts, **kw)
     finally:
         engine.round_hook = None
+        for h in hooks:
+            h.remove()
     return out, snaps
 
 
 def compare(a, b) -> dict:
     """Round-by-round comparison of two recorded runs (see the module docstring)."""
     (out_a, sa), (out_b, sb) = a, b
-    firsts = {"token": None, "noise": None, "carry": None, "cache": None, "dcache": None}
+    fields = ("noise", "look", "carry", "cache", "dcache", "fwd_drafter", "fwd_block", "fwd_target")
+    firsts = {"token": None, **{f: None for f in fields}}
     max_carry = []
+
+    def same(u, v):
+        if isinstance(u, list):
+            return len(u) == len(v) and all(same(x, y) for x, y in zip(u, v))
+        return u.shape == v.shape and torch.equal(u, v)
+
     for r, (x, y) in enumerate(zip(sa, sb)):
-        same_state = all(torch.equal(x[f], y[f]) for f in ("anchor", "anchor_pos", "n_out", "accepted", "looked"))
-        if firsts["token"] is None and not same_state:
+        state = ("anchor", "anchor_pos", "n_out", "accepted", "looked", "seq")
+        if firsts["token"] is None and not all(same(x[f], y[f]) for f in state):
             firsts["token"] = r
-        for f in ("noise", "carry", "cache", "dcache"):
-            if f in x and firsts[f] is None and not torch.equal(x[f], y[f]):
+        for f in fields:
+            if f in x and f in y and firsts[f] is None and not same(x[f], y[f]):
                 firsts[f] = r
         if "carry" in x and firsts["token"] is None:
             max_carry.append(float((x["carry"] - y["carry"]).abs().max()))
@@ -96,6 +155,14 @@ def compare(a, b) -> dict:
         res["parting"]["noise"] = sa[r]["noise"].tolist()
         res["parting"]["carry_diff_before"] = (float((sa[r - 1]["carry"] - sb[r - 1]["carry"]).abs().max())
                                                if r > 0 and "carry" in sa[r] else None)
+    forwards = [firsts[f] for f in ("fwd_drafter", "fwd_block", "fwd_target") if firsts[f] is not None]
+    if forwards:  # the first round whose forwards differ: by how much, and the verified blocks
+        r = min(forwards)
+        diff = {"round": r, "blocks": [[t.tolist() for t in s[r]["fwd_block"]] for s in (sa, sb)]}
+        for f in ("fwd_drafter", "fwd_target"):
+            diff[f] = [float((u - v).abs().max()) if u.shape == v.shape else "shapes differ"
+                       for u, v in zip(sa[r][f], sb[r][f])]
+        res["first_forward_diff"] = diff
     return res
 
 
@@ -113,11 +180,22 @@ def main():
     p.add_argument("--configs", nargs="+", default=["fp32:dflash:sampled:15", "fp32:dflash:sampled:0",
                                                    "fp32:dflash:greedy:15"])
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS),
+                   help="which comparisons (only the engines they need run)")
+    p.add_argument("--determinism", default="none", choices=["none", "cublas", "algorithms", "algorithms_nofill",
+                                                              "all"],
+                   help="cublas: CUBLAS_WORKSPACE_CONFIG=:4096:8; algorithms: torch.use_deterministic_algorithms(True, "
+                        "warn_only=True) (which also fills uninitialised memory); algorithms_nofill: the same without "
+                        "that filling; all: cublas + algorithms")
+    p.add_argument("--probe_cumsum", type=int, default=0, help="also repeat a vocabulary-sized float32 cumsum and "
+                   "inverse-CDF draw N times and count results that differ from the first")
     args = p.parse_args()
-    if args.deterministic:  # before the first cuBLAS handle is made
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if args.determinism in ("cublas", "all"):  # before the first cuBLAS handle is made
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    if args.determinism in ("algorithms", "algorithms_nofill", "all"):
         torch.use_deterministic_algorithms(True, warn_only=True)
+        if args.determinism == "algorithms_nofill":
+            torch.utils.deterministic.fill_uninitialized_memory = False
     if bool(args.target) != bool(args.prompts_dir):
         p.error("--target and --prompts_dir go together")
     if args.drafter and not args.target:
@@ -132,7 +210,10 @@ def main():
            "torch": torch.__version__, "transformers": transformers.__version__,
            "commit": os.environ.get("HF_CARRYOVER_COMMIT", "unknown"), "target": args.target or "random",
            "drafter": args.drafter or "random dflash (Carryover on)", "max_new_tokens": max_new,
-           "deterministic": args.deterministic, "seed": args.seed, "configs": []}
+           "determinism": args.determinism, "seed": args.seed, "configs": []}
+    if args.probe_cumsum:
+        res["probe_cumsum"] = probe_cumsum(args.probe_cumsum, 49152, args.device)
+        print("probe_cumsum", res["probe_cumsum"], flush=True)
     targets = {}
     for spec in args.configs:
         dtype_name, kind, mode, lookup, *extra = spec.split(":")
@@ -160,16 +241,19 @@ def main():
                       do_sample=mode == "sampled")
             if int(lookup):
                 kw["prompt_lookup_num_tokens"] = int(lookup)
-            eager, eager2, graph, graph2 = make(False), make(False), make(True), make(True)
+            need = {run for pair in args.pairs for run in PAIRS[pair]}
+            engines = {"eager": make(False), "eager2": make(False), "graph": make(True), "graph2": make(True)}
             for i, q in enumerate(prompts):
-                e1, e2 = record(eager, q, **kw), record(eager2, q, **kw)
-                g1 = record(graph, q, **kw)
-                g1_again = record(graph, q, **kw)
-                g2 = record(graph2, q, **kw)
-                row["graph_mode"] = graph.last_mode
-                row["pairs"][f"prompt{i}"] = {"eager_vs_eager": compare(e1, e2), "graph_vs_replay": compare(g1, g1_again),
-                                              "graph_vs_fresh_graph": compare(g1, g2), "eager_vs_graph": compare(e1, g1)}
-                print(spec, i, json.dumps({k: (v["same_tokens"], v["first_token_round"], v["first_carry_round"])
+                runs = {}
+                for run in ("eager", "eager2", "graph", "graph_again", "graph2"):  # the second graph call replays
+                    if run in need:
+                        runs[run] = record(engines["graph" if run == "graph_again" else run], q, **kw)
+                row["graph_mode"] = engines["graph"].last_mode if "graph" in need else None
+                row["pairs"][f"prompt{i}"] = {pair: compare(runs[PAIRS[pair][0]], runs[PAIRS[pair][1]])
+                                              for pair in args.pairs}
+                print(spec, i, json.dumps({k: {f: v[f] for f in ("same_tokens", "first_token_round", "first_look_round",
+                                                                "first_carry_round", "first_fwd_drafter_round",
+                                                                "first_fwd_block_round", "first_fwd_target_round")}
                                            for k, v in row["pairs"][f"prompt{i}"].items()}), flush=True)
         except Exception as e:  # noqa: BLE001  (record, keep going)
             row["error"] = repr(e)[:500]

@@ -507,13 +507,15 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
     fi
     if [ "$3" = profile ]; then profile_job $1 $stamp; flush; return; fi
     if [ "$3" = replaydiff ]; then  # trainer/gpu_replay_diff.py: where eager and replayed rounds part, round by round,
-      # on the real target and REPLAY_DRAFTER (default dflash-carryover-gated), without and with --deterministic
+      # on the real target and REPLAY_DRAFTER (default dflash-carryover-gated), once per REPLAY_MODES (--determinism;
+      # default "none all"), with REPLAY_CONFIGS, REPLAY_PAIRS, REPLAY_PROMPTS; REPLAY_PROBE=N: the cumsum probe too
       f=$A/drafters/${REPLAY_DRAFTER:-dflash-carryover-gated}; [ -d $f ] || f=$A/runs/${REPLAY_DRAFTER:-}/final
-      for det in "" --deterministic; do
+      for m in ${REPLAY_MODES:-none all}; do
         CUDA_VISIBLE_DEVICES=$1 timeout ${REPLAY_SECONDS:-240} $(pin $1) python3 trainer/gpu_replay_diff.py \
-          --target reference --drafter $f --prompts_dir $A/prompts --prompts ${REPLAY_PROMPTS:-2} $det \
-          ${REPLAY_CONFIGS:+--configs $REPLAY_CONFIGS} --out $R/${stamp}_replay_diff${det:+_det}.json \
-          > "$L/replaydiff_${stamp}${det:+_det}.log" 2>&1 || log "replay diff ${det} stopped: $?"
+          --target reference --drafter $f --prompts_dir $A/prompts --prompts ${REPLAY_PROMPTS:-2} --determinism $m \
+          ${REPLAY_CONFIGS:+--configs $REPLAY_CONFIGS} ${REPLAY_PAIRS:+--pairs $REPLAY_PAIRS} \
+          ${REPLAY_PROBE:+--probe_cumsum $REPLAY_PROBE} --out $R/${stamp}_replay_diff_$m.json \
+          > "$L/replaydiff_${stamp}_$m.log" 2>&1 || log "replay diff ($m) stopped: $?"
         flush
       done
       return
