@@ -291,6 +291,24 @@ def test_inverse_cdf_draws():
     assert freq[[0, 2, 5]].sum() == 0 and torch.allclose(freq, probs[0], atol=0.005)
 
 
+def test_running_mass_is_a_cumsum_with_exact_steps_at_zero_mass():
+    """The draw's running sum (two scans of short rows, so CUDA adds in a fixed order): equal to cumsum up to float
+    rounding, for a vocabulary that is not a multiple of the chunk; a zero-mass token's sum equals its predecessor's
+    exactly, also where a chunk starts, and the sum never decreases."""
+    from hf_carryover.engine.engine import running_mass
+
+    g = torch.Generator().manual_seed(0)
+    probs = (torch.randn(3, 1000, generator=g) * 3).softmax(-1)
+    probs[:, [0, 255, 256, 512, 999]] = 0.0  # zero mass at chunk edges (chunk 256) and at both ends
+    for p in (probs, probs[:1]):
+        cdf = running_mass(p)
+        assert cdf.shape == p.shape and torch.allclose(cdf, p.double().cumsum(-1).float(), atol=1e-6)
+        assert (cdf[:, 1:] >= cdf[:, :-1]).all()
+        assert (cdf[:, 256] == cdf[:, 255]).all() and (cdf[:, 255] == cdf[:, 254]).all() and (cdf[:, 0] == 0).all()
+        assert (cdf[:, 512] == cdf[:, 511]).all() and (cdf[:, 999] == cdf[:, 998]).all()
+    assert torch.equal(running_mass(probs[:, :200]), probs[:, :200].cumsum(-1))  # one chunk: the plain scan
+
+
 @pytest.mark.parametrize("typ", ["dflash", None])
 def test_compiled_round_equals_eager(typ):
     """compile=True runs the same round through torch.compile (inductor's C++ backend here): same tokens, same

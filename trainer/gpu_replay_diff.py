@@ -49,20 +49,26 @@ PAIRS = {"eager_vs_eager": ("eager", "eager2"), "graph_vs_replay": ("graph", "gr
 
 
 def probe_cumsum(n, vocab, device):
-    """Repeat one float32 cumsum of a vocabulary-sized distribution, and 1000 inverse-CDF draws from it, n times:
-    how many repetitions differ from the first (CUDA's float cumsum is a decoupled look-back scan whose grouping
-    of additions may change from launch to launch)."""
-    from hf_carryover.engine.engine import inverse_cdf
+    """Repeat, n times, a float32 cumsum of one vocabulary-sized distribution (one row: on CUDA a decoupled look-back
+    scan whose grouping of additions may change from launch to launch), the engine's `running_mass` of it, and 1000
+    inverse-CDF draws from one row at a time at fixed uniforms: how many repetitions differ from the first."""
+    from hf_carryover.engine.engine import inverse_cdf, running_mass
 
     g = torch.Generator(device="cpu").manual_seed(0)
     probs = (torch.randn(1, vocab, generator=g) * 3).softmax(-1).to(device)
     u = torch.rand(1000, generator=g).to(device)
-    ref_c, ref_t = probs.cumsum(-1), inverse_cdf(probs.expand(1000, -1), u)
-    cums = toks = 0
+
+    def draws():
+        return torch.stack([inverse_cdf(probs, u[i : i + 1]) for i in range(len(u))])
+
+    ref_c, ref_m, ref_t = probs.cumsum(-1), running_mass(probs), draws()
+    cums = masses = toks = 0
     for _ in range(n):
         cums += not torch.equal(probs.cumsum(-1), ref_c)
-        toks += int((inverse_cdf(probs.expand(1000, -1), u) != ref_t).sum())
-    return {"repeats": n, "cumsum_differs": cums, "draws_that_differ": toks, "draws": 1000 * n}
+        masses += not torch.equal(running_mass(probs), ref_m)
+        toks += int((draws() != ref_t).sum())
+    return {"repeats": n, "cumsum_differs": cums, "running_mass_differs": masses, "draws_that_differ": toks,
+            "draws": 1000 * n}
 
 
 def snapshot(st) -> dict:
