@@ -312,7 +312,7 @@ def test_running_mass_is_a_cumsum_with_exact_steps_at_zero_mass():
 @pytest.mark.parametrize("typ", ["dflash", None])
 def test_compiled_round_equals_eager(typ):
     """compile=True runs the same round through torch.compile (inductor's C++ backend here): same tokens, same
-    rounds as the eager engine in fp32, and the mode says so. Sampled rounds are compiled too, as one graph, and with
+    rounds as the eager engine in fp32, and the mode says so. Sampled rounds are compiled too, and with
     the same seed they draw the eager round's tokens (the uniforms come from the call's Generator either way)."""
     target = build_target("llama", seed=5)
     drafter = build_drafter(target, typ, True) if typ else None
@@ -328,6 +328,10 @@ def test_compiled_round_equals_eager(typ):
     counters.clear()
     assert fast.generate(prompts, max_new_tokens=20, do_sample=True, temperature=0.8, seed=3) == sampled
     assert fast.rounds == eager.rounds and fast.last_mode == "eager +compile"
-    # the sampled round is one graph: no Generator reaches it (a Generator argument broke it into ~8 pieces)
-    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1, dict(counters["graph_break"])
+    # no Generator reaches the sampled round (a Generator argument broke it into ~8 pieces); the only breaks are the
+    # draws' running sums, left to ATen's fixed-order scans (`running_mass`): one for a DFlash drafter's proposals,
+    # one for the correction/bonus token
+    breaks = counters["graph_break"]
+    assert all("running_mass" in reason for reason in breaks), dict(breaks)
+    assert sum(breaks.values()) <= 2 * counters["stats"]["unique_graphs"], (dict(breaks), counters["stats"])
     assert sampled != ref  # the sampled run is not the greedy one in disguise

@@ -220,6 +220,10 @@ class SpeculativeEngine:
         logits = d.lm_logits(hidden[:, d.proposal_rows()]).float()  # [b, P, V]
         if cfg.drafter_type != "markov" and not do_sample:
             return logits.argmax(-1), None  # greedy DFlash: rows are independent, no distribution needed
+        if cfg.drafter_type != "markov":  # sampled DFlash: one draw for all rows, proposal j with uniform column j
+            P = logits.shape[1]
+            probs = (logits / temperature).softmax(-1)  # [b, P, V]
+            return inverse_cdf(probs.reshape(b * P, -1), noise[:, :P].reshape(b * P)).view(b, P), probs
 
         cols = iter(range(noise.shape[1]) if do_sample else ())
 
@@ -508,6 +512,7 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, x, right=True)[:, 0]
 
 
+@torch.compiler.disable
 def running_mass(probs: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     """Inclusive running sum of `probs` `[b, V]` along V in float32, adding in the same order on every launch.
 
@@ -517,7 +522,11 @@ def running_mass(probs: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     moved sliver picks the neighbouring token: on the H200 two eager runs of the same seeded sampled call parted
     after 10-70 rounds (`trainer/gpu_replay_diff.py`). Here the sum is two scans of many short rows, which ATen runs
     with its per-row kernels (a fixed order): the running sum inside chunks of `chunk` tokens, then the running sum
-    of the chunk totals (scanned as a `[b, n, 2]` tensor along dim 1, so it is not a one-row scan either)."""
+    of the chunk totals (scanned as a `[b, n, 2]` tensor along dim 1, so it is not a one-row scan either).
+    A compiled round leaves this function to those ATen kernels (a graph break; a captured graph replays them like
+    any other): inductor's own one-row scan is a look-back scan too (pytorch/pytorch#190946), and on the H200 (torch
+    2.11) inductor failed to lower this function ("NotImplementedError: View"), so compiled sampled rounds fell back
+    to eager decoding."""
     b, V = probs.shape
     n = -(-V // chunk)
     p = torch.nn.functional.pad(probs.float(), (0, n * chunk - V))  # [b, n*chunk]: zero mass past V
