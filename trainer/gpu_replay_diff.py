@@ -21,6 +21,7 @@ against graph. A configuration is `dtype:kind:mode:lookup[:compile]`, e.g. `fp32
     python trainer/gpu_replay_diff.py --target reference --drafter DRAFTER --prompts_dir assets/prompts \
         --configs fp32:dflash:sampled:15 fp32:dflash:sampled:0 fp32:dflash:greedy:15 --out $OUT/replay_diff.json
     python trainer/gpu_replay_diff.py --device cpu --tiny --out /tmp/replay_diff.json   # plumbing (all eager)
+    python trainer/gpu_replay_diff.py --summarize RESULT.json...                        # a Markdown table
 
 `--determinism all` sets `CUBLAS_WORKSPACE_CONFIG=:4096:8` and `torch.use_deterministic_algorithms(True,
 warn_only=True)` before CUDA starts (`cublas`, `algorithms`, `algorithms_nofill`: one part each, to tell which part
@@ -172,7 +173,37 @@ def compare(a, b) -> dict:
     return res
 
 
+def summarize(paths) -> str:
+    """A Markdown table of stored results: per file, configuration and pair, how many prompts kept the same tokens,
+    and the rounds where the others parted (tokens / carryover states / verified block)."""
+    lines = ["| file | commit | determinism | config | pair | same tokens | parted at rounds (tokens / carry / block) |",
+             "|---|---|---|---|---|---|---|"]
+    for path in paths:
+        res = json.loads(Path(path).read_text())
+        det = res.get("determinism", "all" if res.get("deterministic") else "none")
+        for row in res["configs"]:
+            prompts = list(row["pairs"].values())
+            for pair in prompts[0] if prompts else ():
+                got = [x[pair] for x in prompts]
+                parted = [f"{g['first_token_round']}/{g['first_carry_round']}/{g.get('first_fwd_block_round')}"
+                          for g in got if not g["same_tokens"]]
+                lines.append(f"| {Path(path).name} | {res['commit'][:7]} | {det} | {row['config']} | {pair} | "
+                             f"{sum(g['same_tokens'] for g in got)}/{len(got)} | {', '.join(parted) or '-'} |")
+            if "error" in row:
+                lines.append(f"| {Path(path).name} | {res['commit'][:7]} | {det} | {row['config']} | error | | "
+                             f"{row['error'][:80]} |")
+        if "probe_cumsum" in res:
+            pr = res["probe_cumsum"]
+            lines.append(f"| {Path(path).name} | {res['commit'][:7]} | {det} | cumsum probe | {pr['repeats']} repeats | "
+                         f"cumsum differs {pr['cumsum_differs']}, running_mass differs "
+                         f"{pr.get('running_mass_differs', 'n/a')}, draws differ {pr['draws_that_differ']}/{pr['draws']} | |")
+    return "\n".join(lines)
+
+
 def main():
+    if sys.argv[1:2] == ["--summarize"]:  # python trainer/gpu_replay_diff.py --summarize FILE...
+        print(summarize(sys.argv[2:]))
+        return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cuda")
