@@ -332,6 +332,5 @@ def test_compiled_round_equals_eager(typ):
     # draws' running sums, left to ATen's fixed-order scans (`running_mass`): one for a DFlash drafter's proposals,
     # one for the correction/bonus token
     breaks = counters["graph_break"]
-    assert all("running_mass" in reason for reason in breaks), dict(breaks)
-    assert sum(breaks.values()) <= 2 * counters["stats"]["unique_graphs"], (dict(breaks), counters["stats"])
+    assert breaks and all("running_mass" in reason for reason in breaks), dict(breaks)
     assert sampled != ref  # the sampled run is not the greedy one in disguise

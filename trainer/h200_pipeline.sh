@@ -64,6 +64,9 @@
 # CHECK_LOOKUP=15, compiled b1 rows with engine_lookup_always_draft); a fresh start; engine (check, throughput with
 # lookup); engine (HF rows with hf_own_dflash); engine (4B projection, graphs and compile); a fresh start and an inline
 # gpu_engine_check.py --lookup 15 (30 minutes). A job's drafter field may be empty ("engine_ar engine||mtbench|...").
+# Third run of 2026-12-01 (examples/results/h200-2026-12-01c/), one H200: three times vllmstash x2 (.device/p1 +
+# assets/prompts; .vllm/drafters/dflash-carryover-gated) and an engine call with E0="replaydiff" (REPLAY_MODES,
+# REPLAY_CONFIGS, REPLAY_PAIRS, REPLAY_PROMPTS, REPLAY_PROBE as in that README); then an inline tiny compile check.
 # vllmstash now refreshes the stashed folders' remote code: a folder saved by an older commit runs its own copy.
 # With drafter weights committed in model_cards/, run `bash trainer/device_tree.sh light` before the calls.
 # Checkpoints: stage2 packs all four drafters in bf16 and queues them as tar parts (DFlash pair first); each call
