@@ -309,6 +309,26 @@ def test_running_mass_is_a_cumsum_with_exact_steps_at_zero_mass():
     assert torch.equal(running_mass(probs[:, :200]), probs[:, :200].cumsum(-1))  # one chunk: the plain scan
 
 
+def test_running_mass_never_scans_one_long_row(monkeypatch):
+    """The property that makes seeded sampling repeat on CUDA: no scan whose tensor is a single row along the scanned
+    dim (CUDA runs those as a look-back scan whose float sums vary between launches), even for one row of a 49152-token
+    vocabulary; the draw is unchanged by how many rows are drawn at once."""
+    from hf_carryover.engine.engine import inverse_cdf, running_mass
+
+    scans, cumsum = [], torch.Tensor.cumsum
+
+    def spy(self, dim, *args, **kwargs):
+        scans.append((self.numel(), self.shape[dim]))
+        return cumsum(self, dim, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cumsum", spy)
+    probs = (torch.randn(2, 49152, generator=torch.Generator().manual_seed(1)) * 3).softmax(-1)
+    running_mass(probs[:1])
+    assert scans and all(numel > length for numel, length in scans), scans
+    u = torch.tensor([0.3, 0.9])
+    assert inverse_cdf(probs, u).tolist() == [inverse_cdf(probs[i : i + 1], u[i : i + 1]).item() for i in range(2)]
+
+
 @pytest.mark.parametrize("typ", ["dflash", None])
 def test_compiled_round_equals_eager(typ):
     """compile=True runs the same round through torch.compile (inductor's C++ backend here): same tokens, same
