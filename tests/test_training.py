@@ -394,3 +394,53 @@ def test_response_dataset_reads_several_folders_and_names_a_missing_one(tmp_path
     assert [r["id"] for r in both.records] == ["a1", "a2", "b1"]
     with pytest.raises(ValueError, match="not found.*nope"):
         ResponseDataset(f"{tmp_path / 'a'},{tmp_path / 'nope'}")
+
+
+def test_regenerate_with_vllm_plumbing(tmp_path, monkeypatch):
+    """`trainer/regenerate.py --engine vllm` against a stand-in `vllm` module (vLLM itself runs on the GPU only): token
+    ids go in as prompt_token_ids, each request gets its own seed when sampling, the model's generation config is
+    ignored, a response that stopped at EOS keeps one, responses are cut after their first EOS, and the shards are
+    the same records transformers' path writes."""
+    import sys
+    import types
+    from pathlib import Path
+
+    calls = {}
+
+    class SamplingParams:
+        def __init__(self, **kw):
+            self.kw = kw
+
+    class LLM:
+        def __init__(self, **kw):
+            calls["llm"] = kw
+
+        def generate(self, prompts, params, use_tqdm=True):
+            calls.setdefault("params", []).extend(p.kw for p in params)
+            outs = []
+            for q in prompts:
+                first = q["prompt_token_ids"][0]
+                toks = [first + 10, 2, 7] if first == 5 else [first + 10, first + 11]  # 5: EOS mid-way
+                finish = "stop" if first % 2 == 0 else "length"  # even: stopped at an EOS vLLM left out
+                outs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=toks, finish_reason=finish)]))
+            return outs
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams))
+    target = tiny_target(vocab=128)
+    target.generation_config.eos_token_id = 2
+    target.save_pretrained(tmp_path / "target")
+    prompts = [(f"p{i}", [3 + i, 9, 4, 7]) for i in range(4)]
+    pfile = tmp_path / "prompts.jsonl"
+    pfile.write_text("".join(json.dumps({"id": pid, "input_ids": ids}) + "\n" for pid, ids in prompts))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "trainer"))
+    import regenerate
+
+    monkeypatch.setattr(sys, "argv", ["regenerate.py", "--engine", "vllm", "--target", str(tmp_path / "target"),
+                                      "--prompts", str(pfile), "--out", str(tmp_path / "v"), "--temperature", "1",
+                                      "--seed", "40", "--batch_size", "2", "--max_new_tokens", "6"])
+    regenerate.main()
+    assert calls["llm"]["generation_config"] == "vllm" and calls["llm"]["max_model_len"] == 4 + 6 + 8
+    assert [p["seed"] for p in calls["params"]] == [40, 41, 42, 43]  # batch i at seed + i, request j at + j
+    assert all(p["max_tokens"] == 6 and p["temperature"] == 1.0 and p["top_p"] == 1.0 for p in calls["params"])
+    records = {r["id"]: r["input_ids"][r["prompt_len"]:] for r in ResponseDataset(tmp_path / "v").records}
+    assert records == {"p0": [13, 14], "p1": [14, 15, 2], "p2": [15, 2], "p3": [16, 17, 2]}

@@ -362,7 +362,8 @@ regen)  # more training responses (trainer/regenerate.py), REGEN_SETS="T:SEED:ST
   # greedy for the prompts past the first 8000, then two sampled sets over all), set i on GPU i % 2 with REGEN_WORKERS
   # processes each, into ~/assets/data/train/regen-T<T>-s<SEED>; prompts from ~/assets/prompts/sharegpt_train.jsonl
   # (carry assets/prompts made by `trainer/prepare_prompts.py --train 20000`). Each set returns as 15 MB tar parts.
-  # REGEN_DTYPE=float32: the target in fp32 (sets named regen-T<T>-s<SEED>-float32). The 2026-11-30f run found
+  # REGEN_ENGINE=vllm: one vLLM process per set (trainer/regenerate.py --engine vllm) instead of REGEN_WORKERS
+  # transformers processes. REGEN_DTYPE=float32: the target in fp32 (sets named regen-T<T>-s<SEED>-float32). The 2026-11-30f run found
   # the drafter scoring higher on bf16 greedy responses than on fp32 ones, while τ is measured in fp32.
   ready_target
   [ -d assets/prompts ] && rm -rf "$A/prompts" && cp -r assets/prompts "$A/prompts"
@@ -375,6 +376,18 @@ regen)  # more training responses (trainer/regenerate.py), REGEN_SETS="T:SEED:ST
   for spec in ${REGEN_SETS:-1:1:0}; do
     IFS=: read -r t seed start <<< "$spec"; name=regen-T$t-s$seed${REGEN_DTYPE:+-$REGEN_DTYPE}; g=$((i % 2)); i=$((i + 1))
     gpus=(${REGEN_GPUS:-$g})
+    if [ "${REGEN_ENGINE:-}" = vllm ]; then  # one vLLM process per set (needs vllmstash's bundle; untried on the GPU yet)
+      [ -d "$A/vllm_site/vllm" ] || { log "REGEN_ENGINE=vllm: no vLLM in $A/vllm_site (vllmstash .vllm/bundle first)"; exit 1; }
+      serve_target
+      ( CUDA_VISIBLE_DEVICES=${gpus[0]} PYTHONPATH=$A/vllm_site:$PYTHONPATH timeout ${REGEN_SECONDS:-400} python3 \
+          trainer/regenerate.py --engine vllm --target $A/serve/target --prompts $A/prompts/sharegpt_train.jsonl \
+          --out $D/$name --temperature $t --seed $seed --start $start --batch_size 512 \
+          ${REGEN_DTYPE:+--dtype $REGEN_DTYPE} > "$L/$name-vllm.log" 2>&1 || log "$name (vllm) stopped: $?"
+        n=$(find $D/$name -name "shard-*.jsonl" -exec cat {} + | wc -l)
+        log "$name: $n responses (vllm, in $D)"
+        tar czf - -C $D $name | split -b 15M - "$OUT/data-$name.tgz.part" ) &
+      continue
+    fi
     ( for w in $(seq 0 $((${REGEN_WORKERS:-4} - 1))); do
         CUDA_VISIBLE_DEVICES=${gpus[$((w % ${#gpus[@]}))]} timeout ${REGEN_SECONDS:-400} python3 trainer/regenerate.py \
           --prompts $A/prompts/sharegpt_train.jsonl \

@@ -7,13 +7,50 @@ prompt, so W processes can share one GPU (a 135M target decodes launch-bound) wi
 More data from the same prompts: `--temperature 1 --seed S` samples one more response per prompt from the target's
 own distribution (a new seed, a new set; give each set its own `--out`); `--start N` skips the first N prompts (e.g.
 the ones a greedy set already covers, when the prompt file has grown).
+
+`--engine vllm` generates with vLLM (0.26, the bundle of `shared/tools/make_vllm_bundle.sh`) instead of
+transformers: one process fills the GPU with many sequences at once, so a response set that takes transformers
+minutes takes vLLM seconds, which leaves a 30-minute GPU session its time for training. `--target` is then a plain
+HF folder, or 'reference' (its bf16 serving copy is made once under the cache). vLLM decodes in bf16 with its own
+kernels, so its greedy responses can part from transformers' at near-ties; both are the target's own responses.
+Pass a large `--batch_size` (e.g. 512: one generate() call per shard; vLLM schedules the sequences itself).
 """
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
+
+
+def vllm_respond(folder, eos, *, max_new_tokens, temperature, max_model_len, dtype="bfloat16",
+                 gpu_memory_utilization=0.5):
+    """`respond(prompts, seed)` for `regenerate_responses` through vLLM: token ids in, token ids out (no
+    re-tokenisation, no detokenisation). Greedy at temperature 0; otherwise the full distribution (top-p 1, no
+    top-k, the model's generation config ignored), request j of a call seeded with seed + j. A response that
+    stopped at EOS keeps it, as transformers' responses do."""
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # the bundle has no flashinfer
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(folder), dtype=dtype, seed=0, gpu_memory_utilization=gpu_memory_utilization,
+              max_model_len=max_model_len, generation_config="vllm")
+
+    def respond(prompts, seed):
+        params = [SamplingParams(temperature=temperature, top_p=1.0, max_tokens=max_new_tokens, detokenize=False,
+                                 seed=seed + j if temperature > 0 else None) for j in range(len(prompts))]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        responses = []
+        for o in outs:
+            c = o.outputs[0]
+            toks = list(c.token_ids)
+            if c.finish_reason == "stop" and eos and (not toks or toks[-1] not in eos):
+                toks.append(eos[0])
+            responses.append(toks)
+        return responses
+
+    return respond
 
 
 def main():
@@ -31,11 +68,43 @@ def main():
     p.add_argument("--worker_index", type=int, default=0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (T>0): one response set per seed")
     p.add_argument("--start", type=int, default=0, help="skip the first N prompts of the file")
+    p.add_argument("--engine", default="transformers", choices=["transformers", "vllm"])
+    p.add_argument("--gpu_memory_utilization", type=float, default=0.5, help="vLLM's share of the GPU")
     args = p.parse_args()
     if args.start < 0 or args.seed < 0:
         p.error("--start and --seed must be >= 0")
+    if args.engine == "vllm" and args.num_workers > 1:
+        p.error("--engine vllm batches all sequences in one process: --num_workers does not apply")
 
     from hf_carryover.training.data import regenerate_responses
+
+    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines()]
+    rows = rows[args.start :]
+    rows = rows[: args.limit] if args.limit else rows
+    rows = rows[args.worker_index :: args.num_workers]
+    prompts = [(r["id"], r["input_ids"]) for r in rows]
+    out = Path(args.out) / f"w{args.worker_index}" if args.num_workers > 1 else Path(args.out)
+    if args.engine == "vllm":
+        from transformers import GenerationConfig
+
+        folder = Path(args.target)
+        if args.target == "reference":  # vLLM cannot read the GGUF: a bf16 serving copy, made once
+            from hf_carryover.reference import reference_dir, save_reference_for_serving
+
+            folder = reference_dir().parent / "serve-target"
+            if not (folder / "config.json").exists():
+                save_reference_for_serving(folder)
+        eos = GenerationConfig.from_pretrained(folder).eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        longest = max(len(p) for _, p in prompts)
+        respond = vllm_respond(folder, eos, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                               max_model_len=longest + args.max_new_tokens + 8, dtype=args.dtype,
+                               gpu_memory_utilization=args.gpu_memory_utilization)
+        regenerate_responses(None, prompts, out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                             temperature=args.temperature, shard_size=args.shard_size, seed=args.seed,
+                             respond=respond, eos_token_id=eos)
+        print(f"vllm: {len(prompts)} responses in {out}")
+        return
 
     dtype = getattr(torch, args.dtype)
     if args.target == "reference":
@@ -49,12 +118,6 @@ def main():
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype)
         pad = target.config.pad_token_id
     target = target.to("cuda" if torch.cuda.is_available() else "cpu").eval()
-    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines()]
-    rows = rows[args.start :]
-    rows = rows[: args.limit] if args.limit else rows
-    rows = rows[args.worker_index :: args.num_workers]
-    prompts = [(r["id"], r["input_ids"]) for r in rows]
-    out = Path(args.out) / f"w{args.worker_index}" if args.num_workers > 1 else Path(args.out)
     regenerate_responses(target, prompts, out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                          temperature=args.temperature, shard_size=args.shard_size, pad_token_id=pad,
                          seed=args.seed + 1000003 * args.worker_index)  # workers draw different streams

@@ -26,21 +26,49 @@ def _progress(iterable, total, desc):
         return iterable
 
 
-@torch.no_grad()
+def transformers_respond(target, pad_token_id, max_new_tokens=256, temperature=0.0):
+    """`respond(prompts, seed)` for `regenerate_responses` through `target.generate`: one left-padded batch, greedy
+    or sampled from the target's own distribution at `temperature` (seeded with `seed`)."""
+    device = next(target.parameters()).device
+
+    @torch.no_grad()
+    def respond(prompts, seed):
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        torch.manual_seed(seed)
+        # sampling reads the target's own distribution at `temperature`: top-k and top-p off (transformers would
+        # otherwise fill in its default top_k=50 where the model's generation config names none)
+        sample = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 \
+            else {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+        gen = target.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                              pad_token_id=pad_token_id, **sample)
+        return gen[:, width:].tolist()
+
+    return respond
+
+
 def regenerate_responses(target, prompts, out_dir, *, max_new_tokens=256, batch_size=64, temperature=0.0,
-                         shard_size=512, pad_token_id=None, seed=0):
+                         shard_size=512, pad_token_id=None, seed=0, respond=None, eos_token_id=None):
     """Generate the target's response to each prompt and store `(prompt + response)` ids in shards.
 
     prompts: list of `(id, prompt_ids: list[int])`, already chat-templated. Batched with left padding.
     Returns the list of shard paths. Shards already on disk are skipped (resume). temperature > 0 samples (seeded
     per batch from `seed`, so a set is reproducible and another seed gives another set).
+    respond: another source of the target's responses, `respond(prompt_ids: list[list[int]], seed) -> list of
+    generated ids` (e.g. vLLM: `trainer/regenerate.py --engine vllm`); the default is `transformers_respond`. With
+    it, `target` may be None and `eos_token_id` names the EOS id(s). Each response is cut after its first EOS.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    eos = target.generation_config.eos_token_id
+    eos = eos_token_id if eos_token_id is not None else target.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [])
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
-    device = next(target.parameters()).device
+    if respond is None:
+        respond = transformers_respond(target, pad, max_new_tokens, temperature)
     shards = [prompts[i : i + shard_size] for i in range(0, len(prompts), shard_size)]
     paths = []
     for s, shard in enumerate(_progress(shards, len(shards), "shards")):
@@ -51,26 +79,12 @@ def regenerate_responses(target, prompts, out_dir, *, max_new_tokens=256, batch_
         records = []
         for i in range(0, len(shard), batch_size):
             chunk = shard[i : i + batch_size]
-            width = max(len(p) for _, p in chunk)
-            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for r, (_, p) in enumerate(chunk):
-                ids[r, width - len(p):] = torch.tensor(p)
-                mask[r, width - len(p):] = 1
-            torch.manual_seed(seed + s * 100003 + i)
-            # sampling reads the target's own distribution at `temperature`: top-k and top-p off (transformers
-            # would otherwise fill in its default top_k=50 where the model's generation config names none)
-            sample = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 \
-                else {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
-            gen = target.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-                                  pad_token_id=pad, **sample)
-            for r, (pid, p) in enumerate(chunk):
-                resp = gen[r, width:].tolist()
+            for (pid, p), resp in zip(chunk, respond([p for _, p in chunk], seed + s * 100003 + i), strict=True):
                 for n, tok in enumerate(resp):
                     if tok in eos:
                         resp = resp[: n + 1]
                         break
-                records.append({"id": pid, "prompt_len": len(p), "input_ids": list(p) + resp})
+                records.append({"id": pid, "prompt_len": len(p), "input_ids": list(p) + list(resp)})
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
         os.replace(tmp, path)
