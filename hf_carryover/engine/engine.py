@@ -520,7 +520,7 @@ def running_mass(probs: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     grouping of float additions depends on block timing, so the sums change in their last bits from launch to
     launch (pytorch/pytorch#75240). Every boundary of 49152 tokens then moves a little, and a draw that lands in a
     moved sliver picks the neighbouring token: on the H200 two eager runs of the same seeded sampled call parted
-    after 10-70 rounds (`trainer/gpu_replay_diff.py`). Here the sum is two scans of many short rows, which ATen runs
+    after 19-68 rounds (`trainer/gpu_replay_diff.py`). Here the sum is two scans of many short rows, which ATen runs
     with its per-row kernels (a fixed order): the running sum inside chunks of `chunk` tokens, then the running sum
     of the chunk totals (scanned as a `[b, n, 2]` tensor along dim 1, so it is not a one-row scan either).
     A compiled round leaves this function to those ATen kernels (a graph break; a captured graph replays them like
