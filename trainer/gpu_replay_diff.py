@@ -3,15 +3,18 @@ whether the target's numbers parted before the tokens did.
 
 `trainer/gpu_engine_check.py` compares whole outputs. This script finds the cause when they differ: every run records,
 after each round (`SpeculativeEngine.round_hook`), the round's uniforms, the row state (anchor, its position, tokens
-emitted, accepted drafts), the carryover states (the target's tapped hidden states of the verified block, exact
-floats) and one float64 sum per cache layer (target and drafter K/V). Two runs are then compared round by round:
+emitted, accepted drafts, the committed sequence), the next round's lookup, the valid carryover rows (the target's
+tapped hidden states, exact floats), one float64 sum per cache layer over the committed positions (target and drafter
+K/V), and in eager runs each forward's output and the verified block (Python hooks never run in a replayed graph).
+Two runs are then compared round by round:
 
   * `first_token_round`: first round after which the row state differs (the tokens parted);
   * `first_noise_round`: first round whose uniforms differ (must be None: both runs draw from the same seed);
-  * `first_carry_round` / `first_cache_round`: first round whose target hidden states / caches differ at all, and
-    `max_carry_diff` over the rounds before the tokens parted. If these are None while the tokens part, the rounds
-    computed the same numbers and still chose differently (control flow); if they part first, kernels rounded
-    differently and a draw that sat near a boundary moved.
+  * `first_{look,carry,cache,dcache}_round`: first round whose lookup / carryover rows / caches differ at all, and
+    `max_carry_diff_before_parting`;
+  * `first_fwd_{drafter,block,target}_round` (eager pairs): first round whose drafter output, verified block or target
+    logits differ, with `first_forward_diff` giving the sizes. A block that changes while the drafter's output did not
+    points at the draw; a target output that changes with an unchanged block points at the target's kernels.
 
 Pairs per configuration: eager against a second eager engine (eager determinism), the graph engine against the
 same call replayed again (replay determinism) and against a fresh graph engine (capture determinism), and eager
