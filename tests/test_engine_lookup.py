@@ -150,8 +150,8 @@ def test_bad_engine_lookup_setting_is_named():
 
 
 def test_engine_lookup_compiled_and_graph_plumbing(monkeypatch):
-    """Lookup rounds through torch.compile (greedy: one graph; sampled: breaks only at the draws' sums) and through the cuda_graphs control flow (an eager
-    stand-in on CPU): the eager lookup engine's tokens and rounds, greedy and sampled; a lookup setting is its own
+    """Lookup rounds through torch.compile (greedy: one graph; sampled: breaks only at the draws' sums) and through
+    the cuda_graphs control flow (an eager stand-in on CPU): the eager lookup engine's tokens and rounds, greedy and sampled; a lookup setting is its own
     captured shape."""
     from test_engine import _fake_capture
 
@@ -174,7 +174,8 @@ def test_engine_lookup_compiled_and_graph_plumbing(monkeypatch):
     assert fast.generate(prompts, do_sample=True, temperature=0.8, seed=3, **kw) == sampled
     assert (fast.rounds, fast.lookup_rounds) == sampled_rounds
     # sampled ones break only around the draws' running sums (`running_mass`, left to ATen's fixed-order scans)
-    assert counters["graph_break"] and all("running_mass" in r for r in counters["graph_break"]), counters["graph_break"]
+    breaks = counters["graph_break"]
+    assert breaks and all("running_mass" in reason for reason in breaks), dict(breaks)
 
     monkeypatch.setattr(engine_mod, "_is_cuda", lambda dev: True)
     captured = []

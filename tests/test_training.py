@@ -422,7 +422,8 @@ def test_regenerate_with_vllm_plumbing(tmp_path, monkeypatch):
                 first = q["prompt_token_ids"][0]
                 toks = [first + 10, 2, 7] if first == 5 else [first + 10, first + 11]  # 5: EOS mid-way
                 finish = "stop" if first % 2 == 0 else "length"  # even: stopped at an EOS vLLM left out
-                outs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=toks, finish_reason=finish)]))
+                done = types.SimpleNamespace(token_ids=toks, finish_reason=finish)
+                outs.append(types.SimpleNamespace(outputs=[done]))
             return outs
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams))

@@ -55,6 +55,20 @@ def prompt_sets(b, vocab, seed, loop=False):
     return [[p * 3 for p in ps] for ps in sets] if loop else sets
 
 
+def check_drafter(target, folder, device):
+    """The drafter a check runs: the trained one in `folder` (bound to `target`: a drafter trained for another target
+    fails here, by name), or, with no folder, a random Carryover DFlash drafter, seeded so that the fp32 and bf16
+    drafters share weights up to rounding."""
+    if folder:
+        dtype = next(target.parameters()).dtype
+        drafter = Drafter.from_pretrained(folder, dtype=dtype).to(device).eval()
+        drafter.bind_target(target)
+        return drafter
+    torch.manual_seed(1)
+    return Drafter.from_target(target, drafter_type="dflash", carryover=True, num_hidden_layers=3,
+                               mask_token_id=16).to(device).eval()
+
+
 def first_diff(ref, out):
     """(row, index) of the first token where two batches of outputs differ, or None."""
     for r, (x, y) in enumerate(zip(ref, out)):
@@ -141,15 +155,7 @@ def main():
         print(json.dumps(row), flush=True)
 
     def engines(target, kind):
-        drafter = None
-        if kind == "dflash" and args.drafter:
-            dtype = next(target.parameters()).dtype
-            drafter = Drafter.from_pretrained(args.drafter, dtype=dtype).to(args.device).eval()
-            drafter.bind_target(target)  # a drafter trained for another target fails here, by name
-        elif kind == "dflash":  # seeded, so the fp32 and bf16 drafters share weights up to rounding
-            torch.manual_seed(1)
-            drafter = Drafter.from_target(target, drafter_type="dflash", carryover=True, num_hidden_layers=3,
-                                          mask_token_id=16).to(args.device).eval()
+        drafter = check_drafter(target, args.drafter, args.device) if kind == "dflash" else None
         longest = max(len(x) for x in real) if real else (240 if args.lookup else 80)
         max_len = longest + max_new + 2 * 16
         out = {"eager": SpeculativeEngine(target, drafter, max_len=max_len, lookup_skips_drafter=False),

@@ -42,9 +42,8 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check import smollm2_shaped  # noqa: E402
-from gpu_engine_check import TINY, first_diff, prompt_sets  # noqa: E402
+from gpu_engine_check import TINY, check_drafter, first_diff, prompt_sets  # noqa: E402
 
-from hf_carryover import Drafter  # noqa: E402
 from hf_carryover.engine.engine import SpeculativeEngine  # noqa: E402
 
 
@@ -94,7 +93,7 @@ def snapshot(st) -> dict:
             "accepted": cp(st.accepted[:, col]), "looked": cp(st.looked[:, col]), "look": cp(st.look),
             "n_look": cp(st.n_look), "seq": cp(torch.where(seen, st.seq, -1)), "cache": sums(st.cache.k + st.cache.v)}
     if st.carry is not None:  # valid rows only
-        snap["carry"] = cp((st.carry.float() * st.carry_valid[..., None]))
+        snap["carry"] = cp(st.carry.float() * st.carry_valid[..., None])
         snap["dcache"] = sums(st.dcache.keys + st.dcache.values)
     return snap
 
@@ -184,22 +183,22 @@ def summarize(paths) -> str:
     for path in paths:
         res = json.loads(Path(path).read_text())
         det = res.get("determinism", "all" if res.get("deterministic") else "none")
+        head = f"| {Path(path).name} | {res['commit'][:7]} | {det} |"
         for row in res["configs"]:
             prompts = list(row["pairs"].values())
             for pair in prompts[0] if prompts else ():
                 got = [x[pair] for x in prompts]
                 parted = [f"{g['first_token_round']}/{g['first_carry_round']}/{g.get('first_fwd_block_round')}"
                           for g in got if not g["same_tokens"]]
-                lines.append(f"| {Path(path).name} | {res['commit'][:7]} | {det} | {row['config']} | {pair} | "
-                             f"{sum(g['same_tokens'] for g in got)}/{len(got)} | {', '.join(parted) or '-'} |")
+                lines.append(f"{head} {row['config']} | {pair} | {sum(g['same_tokens'] for g in got)}/{len(got)} | "
+                             f"{', '.join(parted) or '-'} |")
             if "error" in row:
-                lines.append(f"| {Path(path).name} | {res['commit'][:7]} | {det} | {row['config']} | error | | "
-                             f"{row['error'][:80]} |")
+                lines.append(f"{head} {row['config']} | error | | {row['error'][:80]} |")
         if "probe_cumsum" in res:
             pr = res["probe_cumsum"]
-            lines.append(f"| {Path(path).name} | {res['commit'][:7]} | {det} | cumsum probe | {pr['repeats']} repeats | "
-                         f"cumsum differs {pr['cumsum_differs']}, running_mass differs "
-                         f"{pr.get('running_mass_differs', 'n/a')}, draws differ {pr['draws_that_differ']}/{pr['draws']} | |")
+            lines.append(f"{head} cumsum probe | {pr['repeats']} repeats | cumsum differs {pr['cumsum_differs']}, "
+                         f"running_mass differs {pr.get('running_mass_differs', 'n/a')}, draws differ "
+                         f"{pr['draws_that_differ']}/{pr['draws']} | |")
     return "\n".join(lines)
 
 
@@ -264,13 +263,7 @@ def main():
                 targets[dtype_name] = (load_target(args.target, dtype, args.device) if args.target else
                                        smollm2_shaped(dtype, args.device, **(TINY if args.tiny else {})))
             target = targets[dtype_name]
-            drafter = None
-            if kind == "dflash" and args.drafter:
-                drafter = Drafter.from_pretrained(args.drafter, dtype=dtype).to(args.device).eval()
-            elif kind == "dflash":
-                torch.manual_seed(1)
-                drafter = Drafter.from_target(target, drafter_type="dflash", carryover=True, num_hidden_layers=3,
-                                              mask_token_id=16).to(args.device).eval()
+            drafter = check_drafter(target, args.drafter, args.device) if kind == "dflash" else None
             prompts = [[x] for x in real] if real else [[q] for q in prompt_sets(1, target.config.vocab_size, 1,
                                                                                  loop=True)[0]]
             max_len = max(len(q[0]) for q in prompts) + max_new + 40
