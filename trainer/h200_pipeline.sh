@@ -83,6 +83,8 @@ export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 T
 export HF_CARRYOVER_COMMIT=$(cat .device/commit 2>/dev/null || echo unknown)
 TYPES=(${TYPES:-dflash markov})  # two types: GPU i trains TYPES[i]; one type: stage 1 on both GPUs (DDP), then
                                   # its baseline on GPU 0 and its Carryover continuation on GPU 1
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); [ "${NGPU:-0}" -ge 1 ] || NGPU=1
+gpu() { echo $(( $1 % NGPU )); }  # the phases are written for two GPUs; on one H200 both halves share GPU 0
 S1_MINUTES=${S1_MINUTES:-6}
 S2_MINUTES=${S2_MINUTES:-5.5}
 
@@ -110,7 +112,7 @@ profile_job() {  # profile_job GPU TAG: where a generate() round's time goes on 
   # forwards, our candidate generator, transformers' loop; PROFILE_DRAFTER (default dflash-carryover-gated), with and
   # without lookup
   local f=$A/drafters/${PROFILE_DRAFTER:-dflash-carryover-gated}; [ -d $f ] || f=$A/runs/${PROFILE_DRAFTER:-}/final
-  CUDA_VISIBLE_DEVICES=$1 timeout ${PROFILE_SECONDS:-200} $(pin $1) python3 examples/profile_generate.py --device cuda \
+  CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${PROFILE_SECONDS:-200} $(pin $1) python3 examples/profile_generate.py --device cuda \
     --drafter $f --num_assistant_tokens 15 4 --lookup 15 --max_new_tokens 128 --out $R/$2_profile_gpu$1.json \
     > "$L/profile_$2.log" 2>&1 || log "profile stopped: $?"
 }
@@ -208,11 +210,16 @@ train1)
       name=$typ-stage1-${arm%%=*}; dirs=""; IFS=, read -ra parts <<< "${arm#*=}"
       for d in "${parts[@]}"; do dirs="$dirs${dirs:+,}$A/data/$d"; done
       log "$name on GPU $i: $S1_STEPS steps on $dirs ($(find ${dirs//,/ } -name 'shard-*.jsonl' -exec cat {} + | wc -l) responses)"
-      CUDA_VISIBLE_DEVICES=$i python3 trainer/train.py --config trainer/configs/smollm2_stage1.json \
+      CUDA_VISIBLE_DEVICES=$(gpu $i) python3 trainer/train.py --config trainer/configs/smollm2_stage1.json \
         --drafter_type $typ $L1 --data_dir $dirs --eval_data_dir $A/data/eval --output_dir $A/runs/$name \
         --max_steps $S1_STEPS --max_minutes $S1_MINUTES $INIT ${TRAIN_EXTRA:-} > "$L/train_$name.log" 2>&1 &
       S1_RUNS_DONE+=($name); i=$((i + 1))
     done
+  elif [ ${#TYPES[@]} = 1 ] && [ $NGPU = 1 ]; then  # one type on one GPU
+    typ=${TYPES[0]}; L1=""; [ "$typ" = markov ] && L1="--l1_weight 0.9"; S1_RUNS_DONE=($typ-stage1)
+    CUDA_VISIBLE_DEVICES=0 python3 trainer/train.py --config trainer/configs/smollm2_stage1.json --drafter_type $typ $L1 \
+      --data_dir ${S1_DATA:-$A/data/train} --eval_data_dir $A/data/eval --output_dir $A/runs/$typ-stage1 --max_steps 20000 \
+      --max_minutes $S1_MINUTES --fit_schedule_to_time true $INIT ${TRAIN_EXTRA:-} > "$L/train_$typ-stage1.log" 2>&1 &
   elif [ ${#TYPES[@]} = 1 ]; then  # one type, both GPUs: data-parallel stage 1 (global batch 2 x per-device)
     typ=${TYPES[0]}; L1=""; [ "$typ" = markov ] && L1="--l1_weight 0.9"; S1_RUNS_DONE=($typ-stage1)
     accelerate launch --num_processes 2 ${DDP_FLAGS:---multi_gpu} --main_process_port 29511 trainer/train.py \
@@ -222,7 +229,7 @@ train1)
   else for i in 0 1; do
     typ=${TYPES[$i]}; S1_RUNS_DONE+=($typ-stage1)
     L1=""; [ "$typ" = markov ] && L1="--l1_weight 0.9"  # DSpark: 0.1 CE + 0.9 ||p_draft - p_target||_1
-    CUDA_VISIBLE_DEVICES=$i python3 trainer/train.py --config trainer/configs/smollm2_stage1.json \
+    CUDA_VISIBLE_DEVICES=$(gpu $i) python3 trainer/train.py --config trainer/configs/smollm2_stage1.json \
       --drafter_type $typ $L1 --data_dir $A/data/train --eval_data_dir $A/data/eval \
       --output_dir $A/runs/$typ-stage1 --max_steps 20000 --max_minutes $S1_MINUTES --fit_schedule_to_time true $INIT ${TRAIN_EXTRA:-} \
       > "$L/train_$typ-stage1.log" 2>&1 &
@@ -262,19 +269,19 @@ stage2)
     # (0.8 margin, 45 s for load/eval). CARRY_EXTRA adds flags to the Carryover run only (e.g. --carry_chain 2,
     # which costs more per step: give it S2_STEPS explicitly; or --carryover_gate -6, the gated variant, with
     # S2_TAG=-gated to keep it beside an ungated one)
-    g0=$i; g1=$i; share=3; [ ${#TYPES[@]} = 1 ] && { g1=1; share=2; }
+    g0=$i; g1=$i; share=3; [ ${#TYPES[@]} = 1 ] && [ $NGPU -ge 2 ] && { g1=1; share=2; }
     [ ${#RUNS[@]} = 1 ] && { g0=${S2_GPU:-$i}; g1=$g0; }
     fit=$(last_fit $init/train_log.json 2>/dev/null || true)
     N=${S2_STEPS:-$(python3 -c "print(int(0.8 * (${S2_MINUTES} * 60 - 45) / ($share * float('${fit#* }'))) if '$fit' else 800)")}
     log "$typ stage 2 from $init: $N steps each, runs: ${RUNS[*]} (baseline: GPU $g0, Carryover: GPU $g1, if run)"
     if [[ " ${RUNS[*]} " == *" carryover "* ]]; then
-      CUDA_VISIBLE_DEVICES=$g1 python3 trainer/train.py --config trainer/configs/smollm2_stage2.json \
+      CUDA_VISIBLE_DEVICES=$(gpu $g1) python3 trainer/train.py --config trainer/configs/smollm2_stage2.json \
         --init_from $init --data_dir $A/data/train --eval_data_dir $A/data/eval \
         --output_dir $A/runs/$typ-carryover${S2_TAG:-} --max_steps $N --max_minutes $S2_MINUTES ${TRAIN_EXTRA:-} \
         ${CARRY_EXTRA:-} > "$L/train_$typ-carryover${S2_TAG:-}.log" 2>&1 &
     fi
     if [[ " ${RUNS[*]} " == *" baseline "* ]]; then
-      CUDA_VISIBLE_DEVICES=$g0 python3 trainer/train.py --config trainer/configs/smollm2_stage2.json \
+      CUDA_VISIBLE_DEVICES=$(gpu $g0) python3 trainer/train.py --config trainer/configs/smollm2_stage2.json \
         --init_from $init --stage 1 --carryover false --num_anchors 256 \
         --data_dir $A/data/train --eval_data_dir $A/data/eval \
         --output_dir $A/runs/$typ-baseline --max_steps $N --max_minutes $S2_MINUTES ${TRAIN_EXTRA:-} \
@@ -335,7 +342,7 @@ tau)  # τ of the four drafters at T=0 and T=1 through the batched engine (fp32)
   tau_run() {  # tau_run GPU NAME DRAFTER...
     local g=$1 n=$2; shift 2
     local tv=TAU_TEMPS_G$g; local temps=${!tv:-${TAU_TEMPS:-0 1}}  # per GPU (TAU_TEMPS_G0), else for both
-    CUDA_VISIBLE_DEVICES=$g timeout ${TAU_SECONDS:-250} python3 examples/evaluate_tau.py --prompts_dir $A/prompts \
+    CUDA_VISIBLE_DEVICES=$(gpu $g) timeout ${TAU_SECONDS:-250} python3 examples/evaluate_tau.py --prompts_dir $A/prompts \
       --dtype float32 --engine --engine_batch 128 --drafters "$@" --datasets mtbench humaneval sharegpt \
       --temperatures $temps ${TAU_EXTRA:-} --out $R/tau_engine_$n-$stamp > $R/tau_engine_$n-$stamp.log 2>&1
   }
@@ -372,20 +379,24 @@ regen)  # more training responses (trainer/regenerate.py), REGEN_SETS="T:SEED:ST
   # takes them only when named (train1's S1_ARMS). REGEN_GPUS="0 1": one set's workers alternate over both GPUs
   # (default: set i on GPU i % 2).
   D=$A/data/train${REGEN_DTYPE:+_$REGEN_DTYPE}; mkdir -p $D
-  i=0
-  for spec in ${REGEN_SETS:-1:1:0}; do
-    IFS=: read -r t seed start <<< "$spec"; name=regen-T$t-s$seed${REGEN_DTYPE:+-$REGEN_DTYPE}; g=$((i % 2)); i=$((i + 1))
+  i=0; sets=(${REGEN_SETS:-1:1:0}); per_gpu=$(( (${#sets[@]} + NGPU - 1) / NGPU ))
+  for spec in "${sets[@]}"; do  # spec "eval": greedy responses to the held-out prompts, into ~/assets/data/eval
+    IFS=: read -r t seed start <<< "$spec"; name=regen-T$t-s$seed${REGEN_DTYPE:+-$REGEN_DTYPE}; g=$(gpu $i); i=$((i + 1))
+    prompts=$A/prompts/sharegpt_train.jsonl; out=$D
+    [ "$spec" = eval ] && { t=0; seed=0; start=0; name=heldout-T0; prompts=$A/prompts/sharegpt.jsonl; out=$A/data/eval; }
     gpus=(${REGEN_GPUS:-$g})
-    if [ "${REGEN_ENGINE:-}" = vllm ]; then  # one vLLM process per set (needs vllmstash's bundle; untried on the GPU yet)
+    if [ "${REGEN_ENGINE:-}" = vllm ]; then  # one vLLM process per set (needs vllmstash's bundle), its share of the GPU
+      # memory 0.85 / (sets on that GPU)
       [ -d "$A/vllm_site/vllm" ] || { log "REGEN_ENGINE=vllm: no vLLM in $A/vllm_site (vllmstash .vllm/bundle first)"; exit 1; }
       serve_target
-      ( CUDA_VISIBLE_DEVICES=${gpus[0]} PYTHONPATH=$A/vllm_site:$PYTHONPATH timeout ${REGEN_SECONDS:-400} python3 \
-          trainer/regenerate.py --engine vllm --target $A/serve/target --prompts $A/prompts/sharegpt_train.jsonl \
-          --out $D/$name --temperature $t --seed $seed --start $start --batch_size 512 \
+      ( CUDA_VISIBLE_DEVICES=${gpus[0]} PYTHONPATH=$A/vllm_site:$PYTHONPATH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 timeout ${REGEN_SECONDS:-400} python3 \
+          trainer/regenerate.py --engine vllm --target $A/serve/target --prompts $prompts \
+          --out $out/$name --temperature $t --seed $seed --start $start --batch_size 512 \
+          --gpu_memory_utilization $(python3 -c "print(round(0.85 / $per_gpu, 2))") \
           ${REGEN_DTYPE:+--dtype $REGEN_DTYPE} > "$L/$name-vllm.log" 2>&1 || log "$name (vllm) stopped: $?"
-        n=$(find $D/$name -name "shard-*.jsonl" -exec cat {} + | wc -l)
-        log "$name: $n responses (vllm, in $D)"
-        tar czf - -C $D $name | split -b 15M - "$OUT/data-$name.tgz.part" ) &
+        n=$(find $out/$name -name "shard-*.jsonl" -exec cat {} + | wc -l)
+        log "$name: $n responses (vllm, in $out)"
+        tar czf - -C $out $name | split -b 15M - "$OUT/data-$name.tgz.part" ) &
       continue
     fi
     ( for w in $(seq 0 $((${REGEN_WORKERS:-4} - 1))); do
@@ -407,7 +418,7 @@ gentau)  # τ through target.generate(assistant_model=...) itself, fp32, GEN_WOR
   ready_target
   gen_run() {  # gen_run GPU DRAFTER...
     local g=$1; shift
-    CUDA_VISIBLE_DEVICES=$g timeout ${GEN_SECONDS:-300} python3 examples/evaluate_tau.py --prompts_dir $A/prompts \
+    CUDA_VISIBLE_DEVICES=$(gpu $g) timeout ${GEN_SECONDS:-300} python3 examples/evaluate_tau.py --prompts_dir $A/prompts \
       --dtype float32 --workers ${GEN_WORKERS:-12} --drafters "$@" --datasets mtbench humaneval sharegpt \
       --temperatures ${GEN_TEMPS:-0} --out $R/tau_gen_gpu$g > $R/tau_gen_gpu$g.log 2>&1 || log "generate tau on GPU $g stopped: $?"
     python3 examples/evaluate_tau.py --out $R/tau_gen_gpu$g --summarize_only --drafters "$@" | tail -8 || true
@@ -473,7 +484,7 @@ vllm)
   }
   engine_bench() {  # our engine, same bf16 weights file, CUDA graphs; ENGINE_METHODS="engine_ar engine engine_lookup"
     # with ENGINE_FLAGS="--compile --lookup 15" adds the context-lookup rows
-    CUDA_VISIBLE_DEVICES=$1 timeout ${ENGINE_SECONDS:-$2} $(pin $1) python3 examples/benchmark.py --target $S/target \
+    CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${ENGINE_SECONDS:-$2} $(pin $1) python3 examples/benchmark.py --target $S/target \
       ${ENGINE_D:+--drafters $ENGINE_D} --methods ${ENGINE_METHODS:-engine_ar engine} --cuda_graphs ${ENGINE_FLAGS:-} $B > "$L/bench_engine.log" 2>&1 \
       || log "engine bench stopped: $?"
   }
@@ -515,7 +526,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
     if [ "$3" = check ]; then  # CHECK_DRAFTER=NAME: the real target, that trained drafter and MT-Bench prompts
       T=""; if [ -n "${CHECK_DRAFTER:-}" ]; then f=$A/drafters/$CHECK_DRAFTER; [ -d $f ] || f=$A/runs/$CHECK_DRAFTER/final
         T="--target reference --drafter $f --prompts_dir $A/prompts"; fi
-      CUDA_VISIBLE_DEVICES=$1 timeout ${CHECK_SECONDS:-200} $(pin $1) python3 trainer/gpu_engine_check.py --compile --dtypes fp32 \
+      CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${CHECK_SECONDS:-200} $(pin $1) python3 trainer/gpu_engine_check.py --compile --dtypes fp32 \
         --kinds ${CHECK_KINDS:-dflash} --batch_sizes ${CHECK_BATCHES:-1} $T ${CHECK_LOOKUP:+--lookup $CHECK_LOOKUP} \
         ${CHECK_DETERMINISTIC:+--deterministic} --out $R/${stamp}_engine_check_fp32.json \
         > "$L/check_$stamp.log" 2>&1 || log "engine check stopped: $?"
@@ -527,7 +538,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
       # default "none all"), with REPLAY_CONFIGS, REPLAY_PAIRS, REPLAY_PROMPTS; REPLAY_PROBE=N: the cumsum probe too
       f=$A/drafters/${REPLAY_DRAFTER:-dflash-carryover-gated}; [ -d $f ] || f=$A/runs/${REPLAY_DRAFTER:-}/final
       for m in ${REPLAY_MODES:-none all}; do
-        CUDA_VISIBLE_DEVICES=$1 timeout ${REPLAY_SECONDS:-240} $(pin $1) python3 trainer/gpu_replay_diff.py \
+        CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${REPLAY_SECONDS:-240} $(pin $1) python3 trainer/gpu_replay_diff.py \
           --target reference --drafter $f --prompts_dir $A/prompts --prompts ${REPLAY_PROMPTS:-2} --determinism $m \
           ${REPLAY_CONFIGS:+--configs $REPLAY_CONFIGS} ${REPLAY_PAIRS:+--pairs $REPLAY_PAIRS} \
           ${REPLAY_PROBE:+--probe_cumsum $REPLAY_PROBE} --out $R/${stamp}_replay_diff_$m.json \
@@ -539,14 +550,14 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
     if [ "$3" = gencheck ]; then  # generate()'s static rounds (CUDA graphs) against plain greedy and the dynamic path,
       # fp32, the real target and GENCHECK_DRAFTER (default dflash-carryover-gated), GENCHECK_LIMIT prompts per dataset
       f=$A/drafters/${GENCHECK_DRAFTER:-dflash-carryover-gated}; [ -d $f ] || f=$A/runs/${GENCHECK_DRAFTER:-}/final
-      CUDA_VISIBLE_DEVICES=$1 timeout ${GENCHECK_SECONDS:-150} $(pin $1) python3 trainer/gpu_generate_check.py \
+      CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${GENCHECK_SECONDS:-150} $(pin $1) python3 trainer/gpu_generate_check.py \
         --drafter $f --prompts_dir $A/prompts --limit ${GENCHECK_LIMIT:-5} --sampled \
         --out $R/${stamp}_generate_check_fp32.json > "$L/gencheck_$stamp.log" 2>&1 || log "generate check stopped: $?"
       flush; return
     fi
     IFS='|' read -r m d ds fl box <<< "$3"; D=""
     for n in $d; do f=$A/drafters/$n; [ -d $f ] || f=$A/runs/$n/final; D="$D $n=$f"; done
-    CUDA_VISIBLE_DEVICES=$1 timeout ${box:-${ENGINE_BOX:-300}} $(pin $1) python3 examples/benchmark.py --target $S/target --prompts_dir $A/prompts \
+    CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${box:-${ENGINE_BOX:-300}} $(pin $1) python3 examples/benchmark.py --target $S/target --prompts_dir $A/prompts \
       --methods $m ${D:+--drafters $D} --datasets $ds --limit ${VLLM_LIMIT:-10} --max_new_tokens ${VLLM_MAX_NEW:-256} \
       --batch_sizes ${VLLM_BATCHES:-1 8} --cuda_graphs ${ENGINE_FLAGS:-} $fl --out $R/${stamp}_gpu$1_$2 > "$L/bench_${stamp}_gpu$1_$2.log" 2>&1 \
       || log "engine job $2 on GPU $1 stopped: $?"
