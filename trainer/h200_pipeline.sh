@@ -379,36 +379,46 @@ regen)  # more training responses (trainer/regenerate.py), REGEN_SETS="T:SEED:ST
   # takes them only when named (train1's S1_ARMS). REGEN_GPUS="0 1": one set's workers alternate over both GPUs
   # (default: set i on GPU i % 2).
   D=$A/data/train${REGEN_DTYPE:+_$REGEN_DTYPE}; mkdir -p $D
-  i=0; sets=(${REGEN_SETS:-1:1:0}); per_gpu=$(( (${#sets[@]} + NGPU - 1) / NGPU ))
-  for spec in "${sets[@]}"; do  # spec "eval": greedy responses to the held-out prompts, into ~/assets/data/eval
-    IFS=: read -r t seed start <<< "$spec"; name=regen-T$t-s$seed${REGEN_DTYPE:+-$REGEN_DTYPE}; g=$(gpu $i); i=$((i + 1))
+  spec_vars() {  # spec_vars SPEC: t seed start name prompts out of a set; "eval": greedy responses to the held-out
+    # prompts, into ~/assets/data/eval (train1's held-out metrics)
+    IFS=: read -r t seed start <<< "$1"; name=regen-T$t-s$seed${REGEN_DTYPE:+-$REGEN_DTYPE}
     prompts=$A/prompts/sharegpt_train.jsonl; out=$D
-    [ "$spec" = eval ] && { t=0; seed=0; start=0; name=heldout-T0; prompts=$A/prompts/sharegpt.jsonl; out=$A/data/eval; }
-    gpus=(${REGEN_GPUS:-$g})
-    if [ "${REGEN_ENGINE:-}" = vllm ]; then  # one vLLM process per set (needs vllmstash's bundle), its share of the GPU
-      # memory 0.85 / (sets on that GPU)
-      [ -d "$A/vllm_site/vllm" ] || { log "REGEN_ENGINE=vllm: no vLLM in $A/vllm_site (vllmstash .vllm/bundle first)"; exit 1; }
-      serve_target
-      ( CUDA_VISIBLE_DEVICES=${gpus[0]} PYTHONPATH=$A/vllm_site:$PYTHONPATH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 timeout ${REGEN_SECONDS:-400} python3 \
-          trainer/regenerate.py --engine vllm --target $A/serve/target --prompts $prompts \
-          --out $out/$name --temperature $t --seed $seed --start $start --batch_size 512 \
-          --gpu_memory_utilization $(python3 -c "print(round(0.85 / $per_gpu, 2))") \
-          ${REGEN_DTYPE:+--dtype $REGEN_DTYPE} > "$L/$name-vllm.log" 2>&1 || log "$name (vllm) stopped: $?"
-        n=$(find $out/$name -name "shard-*.jsonl" -exec cat {} + | wc -l)
-        log "$name: $n responses (vllm, in $out)"
-        tar czf - -C $out $name | split -b 15M - "$OUT/data-$name.tgz.part" ) &
-      continue
-    fi
+    [ "$1" = eval ] && { t=0; seed=0; start=0; name=heldout-T0; prompts=$A/prompts/sharegpt.jsonl; out=$A/data/eval; }
+    true
+  }
+  ship_set() {  # the set back as 15 MB tar parts
+    n=$(find $out/$name -name "shard-*.jsonl" -exec cat {} + | wc -l)  # w<i>/ folders, or none with one worker
+    log "$name: $n responses (${REGEN_ENGINE:-transformers}, in $out)"
+    tar czf - -C $out $name | split -b 15M - "$OUT/data-$name.tgz.part"
+  }
+  sets=(${REGEN_SETS:-1:1:0}); queue=()
+  if [ "${REGEN_ENGINE:-}" = vllm ]; then  # one vLLM process per set, one after another on each GPU: vLLM sizes its
+    # KV cache from the memory free at start, so two starting together on one GPU both failed (2026-12-01d)
+    [ -d "$A/vllm_site/vllm" ] || { log "REGEN_ENGINE=vllm: no vLLM in $A/vllm_site (vllmstash .vllm/bundle first)"; exit 1; }
+    serve_target
+    for i in "${!sets[@]}"; do g=$(gpu $i); queue[$g]="${queue[$g]:-} ${sets[$i]}"; done
+    for g in "${!queue[@]}"; do
+      ( for spec in ${queue[$g]}; do spec_vars $spec
+          CUDA_VISIBLE_DEVICES=$g PYTHONPATH=$A/vllm_site:$PYTHONPATH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+            timeout ${REGEN_SECONDS:-400} python3 trainer/regenerate.py --engine vllm --target $A/serve/target \
+            --prompts $prompts --out $out/$name --temperature $t --seed $seed --start $start --batch_size 512 \
+            --gpu_memory_utilization 0.85 ${REGEN_DTYPE:+--dtype $REGEN_DTYPE} > "$L/$name-vllm.log" 2>&1 \
+            || log "$name (vllm) stopped: $?"
+          ship_set
+        done ) &
+    done
+    wait
+    exit 0
+  fi
+  for i in "${!sets[@]}"; do  # REGEN_WORKERS transformers processes per set, set i on GPU i % 2 (REGEN_GPUS: all)
+    spec_vars ${sets[$i]}; gpus=(${REGEN_GPUS:-$(gpu $i)})
     ( for w in $(seq 0 $((${REGEN_WORKERS:-4} - 1))); do
         CUDA_VISIBLE_DEVICES=${gpus[$((w % ${#gpus[@]}))]} timeout ${REGEN_SECONDS:-400} python3 trainer/regenerate.py \
-          --prompts $A/prompts/sharegpt_train.jsonl \
-          --out $D/$name --temperature $t --seed $seed --start $start --num_workers ${REGEN_WORKERS:-4} \
-          ${REGEN_DTYPE:+--dtype $REGEN_DTYPE} \
+          --prompts $prompts --out $out/$name --temperature $t --seed $seed --start $start \
+          --num_workers ${REGEN_WORKERS:-4} ${REGEN_DTYPE:+--dtype $REGEN_DTYPE} \
           --worker_index $w > "$L/$name-w$w.log" 2>&1 &
       done; wait
-      n=$(find $D/$name -name "shard-*.jsonl" -exec cat {} + | wc -l)  # w<i>/ folders, or none with one worker
-      log "$name: $n responses (in $D)"
-      tar czf - -C $D $name | split -b 15M - "$OUT/data-$name.tgz.part" ) &
+      ship_set ) &
   done
   wait
   ;;
