@@ -27,9 +27,14 @@ def load(paths):
     """{drafter: {(dataset, temperature, id): accepted list}} from raw-*.jsonl files, gzipped or not (the last record
     wins)."""
     runs = defaultdict(dict)
-    for path in paths:
+    for spec in paths:
+        # "PREFIX=path" renames the file's drafters PREFIX<name>: two runs that both call their drafter
+        # "dflash-baseline" (an old shipped one and its successor) can then be paired
+        prefix, sep, path = str(spec).partition("=")
+        if not sep or "/" in prefix or Path(spec).exists():
+            prefix, path = "", str(spec)
         for (drafter, *key), accepted in load_raw(path).items():
-            runs[drafter][tuple(key)] = accepted
+            runs[prefix + drafter][tuple(key)] = accepted
     return runs
 
 
@@ -59,7 +64,7 @@ def paired(a: dict, b: dict) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--raw", nargs="+", required=True, help="evaluate_tau.py raw-*.jsonl files (or .jsonl.gz)")
+    p.add_argument("--raw", nargs="+", required=True, help="evaluate_tau.py raw-*.jsonl files (or .jsonl.gz); PREFIX=FILE prefixes that file's drafter names")
     p.add_argument("--pair", nargs="+", required=True, help="A:B drafter names (difference A - B)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)

@@ -383,6 +383,12 @@ def test_paired_tau(tmp_path):
     assert r["all"]["prompts"] == 3 and r["all"]["mean_diff"] == pytest.approx((1 - 0.5 - 3) / 3)
     with pytest.raises(SystemExit, match="no records for"):
         paired_tau.main(["--raw", str(raw), "--pair", "a:zz", "--out", str(out)])
+    # PREFIX=FILE: the same file read twice under two prefixes pairs a drafter with itself (difference 0), and
+    # pairs old-a with new-b as a with b
+    paired_tau.main(["--raw", f"old-={raw}", f"new-={raw}", "--pair", "old-a:new-a", "old-a:new-b", "--out", str(out)])
+    r = json.loads(out.read_text())["pairs"]
+    assert r["old-a:new-a"]["all"]["mean_diff"] == 0 and r["old-a:new-a"]["all"]["prompts"] == 4  # d3 too
+    assert r["old-a:new-b"]["all"]["mean_diff"] == pytest.approx((1 - 0.5 - 3) / 3)
 
 
 def test_carryover_signal_by_accepted(tmp_path):

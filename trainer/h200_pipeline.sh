@@ -67,6 +67,9 @@
 # Third run of 2026-12-01 (examples/results/h200-2026-12-01c/), one H200: three times vllmstash x2 (.device/p1 +
 # assets/prompts; .vllm/drafters/dflash-carryover-gated) and an engine call with E0="replaydiff" (REPLAY_MODES,
 # REPLAY_CONFIGS, REPLAY_PAIRS, REPLAY_PROMPTS, REPLAY_PROBE as in that README); then an inline tiny compile check.
+# Fourth run of 2026-12-01 (examples/results/h200-2026-12-01d/), one H200: vllmstash (.vllm/bundle); vllmstash (.device/p1,
+# assets/prompts); stashinit (.init/dflash-stage1); REGEN_ENGINE=vllm regen + train1; REGEN_SETS=eval regen + TYPES=dflash
+# S1_INIT=dflash-stage1 train1; stage2 + tau; engine. On a one-GPU machine the phases put GPU 1's work on GPU 0 (gpu()).
 # vllmstash now refreshes the stashed folders' remote code: a folder saved by an older commit runs its own copy.
 # With drafter weights committed in model_cards/, run `bash trainer/device_tree.sh light` before the calls.
 # Checkpoints: stage2 packs all four drafters in bf16 and queues them as tar parts (DFlash pair first); each call
