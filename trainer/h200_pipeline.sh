@@ -180,6 +180,7 @@ stashinit)  # carries .init/NAME (a bf16 drafter folder, ~24 MB) for train1's S1
   # run it after `stash` (which replaces ~/assets/data with runs/data/data)
   for f in runs/regen/data-*.tgz.partaa; do [ -f "$f" ] || continue
     D=$A/data/train; [[ $f == *-float32.tgz.partaa ]] && D=$A/data/train_float32  # as `regen` keeps them
+    [[ $f == */data-heldout-* ]] && D=$A/data/eval  # the held-out responses of REGEN_SETS=eval
     mkdir -p "$D" && cat "${f%aa}"* | tar xzf - -C "$D" && log "stashed responses $(basename ${f%.tgz.partaa}) in $D"
   done
   for d in .init/*/; do rm -rf "$A/init/$(basename $d)" && mkdir -p "$A/init" && cp -r "$d" "$A/init/" \
@@ -218,7 +219,7 @@ train1)
         --max_steps $S1_STEPS --max_minutes $S1_MINUTES $INIT ${TRAIN_EXTRA:-} > "$L/train_$name.log" 2>&1 &
       S1_RUNS_DONE+=($name); i=$((i + 1))
     done
-  elif [ ${#TYPES[@]} = 1 ] && [ $NGPU = 1 ]; then  # one type on one GPU
+  elif [ ${#TYPES[@]} = 1 ] && [ $NGPU = 1 ]; then  # one type on one GPU (S1_DATA: comma-separated data folders)
     typ=${TYPES[0]}; L1=""; [ "$typ" = markov ] && L1="--l1_weight 0.9"; S1_RUNS_DONE=($typ-stage1)
     CUDA_VISIBLE_DEVICES=0 python3 trainer/train.py --config trainer/configs/smollm2_stage1.json --drafter_type $typ $L1 \
       --data_dir ${S1_DATA:-$A/data/train} --eval_data_dir $A/data/eval --output_dir $A/runs/$typ-stage1 --max_steps 20000 \
@@ -312,7 +313,7 @@ eval)
   BENCH_DRAFTERS=${BENCH_DRAFTERS:-$D}
   (  # GPU 1: the CUDA-graph engine check, then the wall-clock benchmark (same prompts, every method; each finished
      # row lands in bench_raw.jsonl at once), the latency-model run (eager, profiled) and the 4B projection
-    export CUDA_VISIBLE_DEVICES=1
+    export CUDA_VISIBLE_DEVICES=$(gpu 1)
     timeout ${CHECK_SECONDS:-80} python3 trainer/gpu_engine_check.py ${CHECK_EXTRA:---compile} --out $R/gpu_engine_check.json \
       > "$L/gpu_engine_check.log" 2>&1 || log "engine check stopped: $?"
     timeout ${BENCH_SECONDS:-200} python3 examples/benchmark.py $P --drafters $BENCH_DRAFTERS --cuda_graphs \
@@ -503,10 +504,10 @@ vllm)
   }
   gpu1_extra() {  # after the engine rows on GPU 1 (VLLM_GPU1_EXTRA=1): compile exactness in fp32 on a random
     # SmolLM2-shaped target, then the Qwen3-4B-shaped timing projection
-    CUDA_VISIBLE_DEVICES=1 timeout ${CHECK_SECONDS:-150} python3 trainer/gpu_engine_check.py --compile --dtypes fp32 \
+    CUDA_VISIBLE_DEVICES=$(gpu 1) timeout ${CHECK_SECONDS:-150} python3 trainer/gpu_engine_check.py --compile --dtypes fp32 \
       --batch_sizes 1 --out $R/gpu_engine_check_fp32.json > "$L/gpu_engine_check.log" 2>&1 || log "engine check stopped: $?"
     flush
-    CUDA_VISIBLE_DEVICES=1 timeout 90 python3 examples/benchmark.py --prompts_dir $A/prompts --target qwen3-4b-random \
+    CUDA_VISIBLE_DEVICES=$(gpu 1) timeout 90 python3 examples/benchmark.py --prompts_dir $A/prompts --target qwen3-4b-random \
       --random_drafter --datasets mtbench --limit 2 --max_new_tokens 128 --methods engine_ar engine --profile \
       --out $R/bench4b > "$L/bench4b.log" 2>&1 || log "4B projection stopped: $?"
   }
