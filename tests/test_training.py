@@ -135,6 +135,61 @@ def test_loss_decreases_and_every_parameter_changes(typ, chain, gate):
     assert not unchanged, unchanged
 
 
+@pytest.mark.parametrize("typ", ["dflash", "markov"])
+def test_valid_rows_only_logits_change_nothing(typ, monkeypatch):
+    """The objectives compute LM-head rows for valid proposals only (`proposal_logits(..., ok)`). Loss, metrics and
+    every gradient must equal the full `[b, N, P, V]` computation: padded anchors (more anchors than a response has
+    positions) and proposals past a response's end are in this batch on purpose. Markov with the L1 term too."""
+    from hf_carryover.training import objectives
+
+    target = tiny_target(init=0.3)
+    drafter = tiny_drafter(target, typ)
+    batch = _recorded_batch(target)
+    full = objectives.proposal_logits
+
+    def run(compact, fn, **kw):
+        if not compact:  # the reference: every row through the head, ok applied by block_loss alone
+            monkeypatch.setattr(objectives, "proposal_logits", lambda d, h, prev, ok=None: full(d, h, prev))
+        drafter.zero_grad()
+        loss, m = fn(drafter, drafter, target, batch, num_anchors=64, generator=torch.Generator().manual_seed(0), **kw)
+        loss.backward()
+        monkeypatch.setattr(objectives, "proposal_logits", full)
+        return loss.detach(), m, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+
+    for fn, kw in [(stage1_loss, {}), (stage2_loss, {}), (stage2_loss, {"chain": 2})]:
+        (l_c, m_c, g_c), (l_f, m_f, g_f) = run(True, fn, **kw), run(False, fn, **kw)
+        anchors, a_ok = sample_anchors(batch["prompt_len"], batch["seq_len"], 64, torch.Generator().manual_seed(0))
+        assert not a_ok.all()  # padded anchors are present, so the compact path really drops rows
+        assert torch.allclose(l_c, l_f, rtol=1e-5, atol=1e-6), (fn.__name__, kw, l_c, l_f)
+        assert m_c.keys() == m_f.keys()
+        for key in m_c:  # scalars and per-position lists
+            assert m_c[key] == pytest.approx(m_f[key], rel=1e-5, abs=1e-6, nan_ok=True), (fn.__name__, kw, key)
+        assert g_c.keys() == g_f.keys() and len(g_c) > 0
+        for n in g_c:
+            assert torch.allclose(g_c[n], g_f[n], rtol=1e-4, atol=1e-6), (fn.__name__, kw, n)
+    if typ == "markov":  # DSpark's L1 term: the target rows must line up with the compact drafter rows
+        drafter.zero_grad()
+        loss, m = stage1_loss(drafter, drafter, target, batch, num_anchors=64, l1_weight=0.9,
+                              generator=torch.Generator().manual_seed(0))
+        ids, sl = batch["input_ids"], batch["seq_len"]
+        L = ids.shape[1]
+        ctx_valid = torch.arange(L)[None] < sl[:, None]
+        feats, tl = target_pass(target, drafter, ids, ctx_valid, need_logits=True)
+        anchors, a_ok = sample_anchors(batch["prompt_len"], sl, 64, torch.Generator().manual_seed(0))
+        hidden = draft_blocks(drafter, drafter, ids, feats, ctx_valid, anchors)
+        labels, ok, prev, pos = block_targets(ids, sl, anchors, a_ok, drafter.config.num_proposals)
+        logits = full(drafter, hidden, prev)  # [b, N, P, V]; the target's row at pos - 1 predicts the token at pos
+        t_full = tl.gather(1, (pos - 1).clamp(max=L - 1).flatten(1)[..., None].expand(-1, -1, tl.shape[-1]))
+        ref, m_ref = objectives.block_loss(logits, labels, ok, objectives.position_weights(drafter.config, ids.device),
+                                           t_full.view_as(logits), 0.9)
+        assert torch.allclose(loss, ref, rtol=1e-5, atol=1e-6) and m["ce"] == pytest.approx(m_ref["ce"], rel=1e-5)
+        # negative control: target rows one position off give another loss, so the equality above can fail
+        t_off = tl.gather(1, pos.clamp(max=L - 1).flatten(1)[..., None].expand(-1, -1, tl.shape[-1]))
+        off, _ = objectives.block_loss(logits, labels, ok, objectives.position_weights(drafter.config, ids.device),
+                                       t_off.view_as(logits), 0.9)
+        assert not torch.allclose(off, ref, rtol=1e-4)
+
+
 @pytest.mark.parametrize("with_eos,gate", [(False, None), (True, None), (False, 1.0)])
 @pytest.mark.parametrize("typ", ["dflash", "markov"])
 def test_training_carryover_equals_inference_carryover(typ, with_eos, gate):

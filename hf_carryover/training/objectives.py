@@ -72,9 +72,16 @@ def position_weights(cfg, device):
     return torch.exp(-(j - 1) / cfg.decay_gamma)
 
 
-def proposal_logits(drafter, hidden, prev_tokens):
-    """Drafter hidden `[b, N, B, d]` -> proposal logits `[b, N, P, V]` (Markov: + bigram term, teacher-forced)."""
+def proposal_logits(drafter, hidden, prev_tokens, ok=None):
+    """Drafter hidden `[b, N, B, d]` -> proposal logits `[b, N, P, V]` (Markov: + bigram term, teacher-forced).
+
+    With `ok` (`[b, N, P]`, bool) only the rows that count: `[n_ok, V]`, in `ok`'s row-major order. Why: padded
+    anchors (a response with fewer positions than the anchor count) and proposals past a response's end can be a
+    large share of the rows, and each costs a vocabulary-wide LM-head row and fp32 CE row (and their gradients) for
+    nothing."""
     rows = hidden[:, :, drafter.proposal_rows()]
+    if ok is not None:
+        rows, prev_tokens = rows[ok], prev_tokens[ok]  # [n_ok, d], [n_ok]
     logits = drafter.lm_logits(rows).float()
     if drafter.config.drafter_type == "markov":
         logits = logits + drafter.markov_bias(prev_tokens).float()
@@ -102,9 +109,18 @@ def _data_parallel_denominator(denom):
 
 
 def block_loss(logits, labels, ok, weights, target_logits=None, l1_weight: float = 0.0):
-    """Weighted CE (+ l1_weight * ||p_draft - p_target||_1, which is 2*TV) and per-position accuracy."""
+    """Weighted CE (+ l1_weight * ||p_draft - p_target||_1, which is 2*TV) and per-position accuracy.
+
+    `logits` (and `target_logits`) are either `[b, N, P, V]` or the valid rows only, `[n_ok, V]`
+    (`proposal_logits(..., ok=ok)`); loss and metrics are the same either way."""
+    compact = logits.dim() == 2
     w = weights[None, None, :] * ok.float()
-    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
+    if compact:  # [n_ok] each: the rows of `ok`, row-major
+        w, lab = w[ok], labels[ok]
+        ce = F.cross_entropy(logits, lab, reduction="none")
+    else:
+        lab = labels
+        ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
     denom = w.sum().clamp(min=1e-6)
     shared = _data_parallel_denominator(denom)  # = denom in one process
     loss = (ce * w).sum() / shared
@@ -112,7 +128,11 @@ def block_loss(logits, labels, ok, weights, target_logits=None, l1_weight: float
         l1 = (logits.softmax(-1) - target_logits.float().softmax(-1)).abs().sum(-1)
         loss = (1 - l1_weight) * loss + l1_weight * (l1 * w).sum() / shared
     with torch.no_grad():
-        hit = (logits.argmax(-1) == labels) & ok
+        if compact:
+            hit = torch.zeros_like(ok)
+            hit[ok] = logits.argmax(-1) == lab
+        else:
+            hit = (logits.argmax(-1) == labels) & ok
         acc = hit.float().sum((0, 1)) / ok.float().sum((0, 1)).clamp(min=1)
         # expected accepted drafts if each block were verified: leading run of hits
         run = torch.cumprod(hit.long(), dim=-1).sum(-1).float()
@@ -203,9 +223,11 @@ def stage1_loss(model, drafter, target, batch, num_anchors=512, l1_weight=0.0, b
     anchors, a_ok = sample_anchors(prompt_len, seq_len, num_anchors, generator)
     hidden = draft_blocks(model, drafter, input_ids, feats, ctx_valid, anchors, backend=backend)
     labels, ok, prev, pos = block_targets(input_ids, seq_len, anchors, a_ok, drafter.config.num_proposals)
-    logits = proposal_logits(drafter, hidden, prev)
-    t_logits = None if tlogits is None else tlogits.gather(
-        1, (pos - 1).clamp(max=L - 1).flatten(1)[..., None].expand(-1, -1, tlogits.shape[-1])).view_as(logits)
+    logits = proposal_logits(drafter, hidden, prev, ok)  # [n_ok, V]
+    t_logits = None  # the target's distribution at each valid proposal's position (it predicts the same token)
+    if tlogits is not None:
+        rows = ok.nonzero(as_tuple=True)[0]  # the sequence of each valid row
+        t_logits = tlogits[rows, (pos[ok] - 1).clamp(max=L - 1)]  # [n_ok, V]
     loss, m = block_loss(logits, labels, ok, position_weights(drafter.config, input_ids.device), t_logits, l1_weight)
     return loss, m
 
@@ -269,10 +291,11 @@ def stage2_loss(model, drafter, target, batch, num_anchors=128, l1_weight=0.0, b
     hidden = draft_blocks(model, drafter, input_ids, feats, ctx_valid, all_anchors, carry=carry, carry_pos=carry_pos,
                           carry_valid=carry_valid, k=k, carry_offset=N, backend=backend)
     labels, ok, prev, _ = block_targets(input_ids, seq_len, all_anchors, torch.cat(c["ok"], 1), cfg.num_proposals)
-    logits = proposal_logits(drafter, hidden, prev)
     w = position_weights(cfg, dev)
-    terms = [block_loss(logits[:, s * N : (s + 1) * N], labels[:, s * N : (s + 1) * N], ok[:, s * N : (s + 1) * N], w)
-             for s in range(chain + 1)]
+    terms = []
+    for s in range(chain + 1):  # group s: the blocks at t (s = 0) or at the s-th shifted anchor
+        g = slice(s * N, (s + 1) * N)
+        terms.append(block_loss(proposal_logits(drafter, hidden[:, g], prev[:, g], ok[:, g]), labels[:, g], ok[:, g], w))
     (loss1, m1), m2 = terms[0], terms[-1][1]  # carry metrics: the last step (decoding's case when chain > 1)
     loss_carry = sum(t[0] for t in terms[1:]) / chain
     last, last_ok = c["anchors"][-1], c["ok"][-1]
@@ -281,7 +304,7 @@ def stage2_loss(model, drafter, target, batch, num_anchors=128, l1_weight=0.0, b
         with torch.no_grad():
             h_off = draft_blocks(drafter, drafter, input_ids, feats, ctx_valid, last, backend=backend)
             lab2, ok2, prev2, _ = block_targets(input_ids, seq_len, last, last_ok, cfg.num_proposals)
-            _, m3 = block_loss(proposal_logits(drafter, h_off, prev2), lab2, ok2, w)
+            _, m3 = block_loss(proposal_logits(drafter, h_off, prev2, ok2), lab2, ok2, w)
     carried = c["rows"][-1][2].view(-1, N, k).sum(-1).float()[last_ok]
     accepted = c["accepted"][0]
     metrics = {"ce": m1["ce"], "acc_per_pos": m1["acc_per_pos"], "accept_run": m1["accept_run"],
