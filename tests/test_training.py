@@ -451,7 +451,7 @@ def test_response_dataset_reads_several_folders_and_names_a_missing_one(tmp_path
         ResponseDataset(f"{tmp_path / 'a'},{tmp_path / 'nope'}")
 
 
-def test_regenerate_with_vllm_plumbing(tmp_path, monkeypatch):
+def test_regenerate_with_vllm_plumbing(tmp_path, monkeypatch, capsys):
     """`trainer/regenerate.py --engine vllm` against a stand-in `vllm` module (vLLM itself runs on the GPU only): token
     ids go in as prompt_token_ids, each request gets its own seed when sampling, the model's generation config is
     ignored, a response that stopped at EOS keeps one, responses are cut after their first EOS, and the shards are
@@ -500,3 +500,28 @@ def test_regenerate_with_vllm_plumbing(tmp_path, monkeypatch):
     assert all(p["max_tokens"] == 6 and p["temperature"] == 1.0 and p["top_p"] == 1.0 for p in calls["params"])
     records = {r["id"]: r["input_ids"][r["prompt_len"]:] for r in ResponseDataset(tmp_path / "v").records}
     assert records == {"p0": [13, 14], "p1": [14, 15, 2], "p2": [15, 2], "p3": [16, 17, 2]}
+
+    # --sets: several sets from one engine, each in its own folder, greedy without seeds, sampled with its own
+    engines = []
+    monkeypatch.setattr(LLM, "__init__", lambda self, **kw: engines.append(kw))
+    calls["params"] = []
+    base = ["regenerate.py", "--engine", "vllm", "--target", str(tmp_path / "target"), "--prompts", str(pfile),
+            "--out", str(tmp_path / "sets"), "--batch_size", "4", "--max_new_tokens", "6"]
+    monkeypatch.setattr(sys, "argv", base + ["--sets", "0:0", "1:7"])
+    regenerate.main()
+    assert len(engines) == 1  # one engine start for both sets
+    assert [p["seed"] for p in calls["params"]] == [None] * 4 + [7, 8, 9, 10]
+    assert [p["temperature"] for p in calls["params"]] == [0.0] * 4 + [1.0] * 4
+    for name in ("regen-T0-s0", "regen-T1-s7"):
+        assert {r["id"] for r in ResponseDataset(tmp_path / "sets" / name).records} == {"p0", "p1", "p2", "p3"}
+    for bad, msg in ((["--sets", "1"], "expected T:SEED"), (["--sets", "0:0", "0:0"], "same folder"),
+                     (["--sets", "1:-1"], ">= 0")):
+        monkeypatch.setattr(sys, "argv", base + bad)
+        with pytest.raises(SystemExit):
+            regenerate.main()
+        assert msg in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["regenerate.py", "--prompts", str(pfile), "--out", str(tmp_path / "t"),
+                                      "--sets", "0:0"])
+    with pytest.raises(SystemExit):
+        regenerate.main()
+    assert "needs --engine vllm" in capsys.readouterr().err

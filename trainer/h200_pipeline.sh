@@ -15,7 +15,8 @@
 #   eval    GPU 0: a time-boxed τ cross-check through generate() itself (T=0 and T=1, GEN_LIMIT prompts);
 #           GPU 1: engine check, examples/benchmark.py, profile and 4B projection (τ proper: the `tau` phase)
 #   tau     τ of the four drafters, T=0 and T=1, batched engine in fp32 (one pair per GPU; ~4 min)
-#   regen   more training responses on both GPUs (sampled sets, or prompts past the first 8000), returned as tar parts
+#   regen   more training responses on both GPUs (sampled sets, or prompts past the first 8000; "eval": the held-out
+#           responses), returned as tar parts; REGEN_ENGINE=vllm generates with vLLM (carry .vllm/bundle to vllmstash first)
 #   gentau  τ through generate() itself on all prompts, worker processes per GPU, time-boxed (GEN_G0, GEN_G1)
 #   ddp     the 1-GPU against 2-GPU training check (trainer/ddp_check.sh) on the real target
 #   fetch   returns the checkpoint parts still queued (4 x 15 MB a call)
@@ -373,8 +374,8 @@ regen)  # more training responses (trainer/regenerate.py), REGEN_SETS="T:SEED:ST
   # greedy for the prompts past the first 8000, then two sampled sets over all), set i on GPU i % 2 with REGEN_WORKERS
   # processes each, into ~/assets/data/train/regen-T<T>-s<SEED>; prompts from ~/assets/prompts/sharegpt_train.jsonl
   # (carry assets/prompts made by `trainer/prepare_prompts.py --train 20000`). Each set returns as 15 MB tar parts.
-  # REGEN_ENGINE=vllm: one vLLM process per set (trainer/regenerate.py --engine vllm) instead of REGEN_WORKERS
-  # transformers processes. REGEN_DTYPE=float32: the target in fp32 (sets named regen-T<T>-s<SEED>-float32). The 2026-11-30f run found
+  # REGEN_ENGINE=vllm: one vLLM engine per GPU for its sets (trainer/regenerate.py --engine vllm --sets) instead of
+  # REGEN_WORKERS transformers processes per set. REGEN_DTYPE=float32: the target in fp32 (sets named regen-T<T>-s<SEED>-float32). The 2026-11-30f run found
   # the drafter scoring higher on bf16 greedy responses than on fp32 ones, while τ is measured in fp32.
   ready_target
   [ -d assets/prompts ] && rm -rf "$A/prompts" && cp -r assets/prompts "$A/prompts"
@@ -396,20 +397,30 @@ regen)  # more training responses (trainer/regenerate.py), REGEN_SETS="T:SEED:ST
     tar czf - -C $out $name | split -b 15M - "$OUT/data-$name.tgz.part"
   }
   sets=(${REGEN_SETS:-1:1:0}); queue=()
-  if [ "${REGEN_ENGINE:-}" = vllm ]; then  # one vLLM process per set, one after another on each GPU: vLLM sizes its
-    # KV cache from the memory free at start, so two starting together on one GPU both failed (2026-12-01d)
+  if [ "${REGEN_ENGINE:-}" = vllm ]; then  # per GPU one vLLM engine for all its sets of one start (regenerate.py
+    # --sets), the held-out set ("eval", other prompts) after it: vLLM sizes its KV cache from the memory free at its
+    # start, so two engines starting together on one GPU both failed (2026-12-01d), and each start costs ~60 s
     [ -d "$A/vllm_site/vllm" ] || { log "REGEN_ENGINE=vllm: no vLLM in $A/vllm_site (vllmstash .vllm/bundle first)"; exit 1; }
     serve_target
     for i in "${!sets[@]}"; do g=$(gpu $i); queue[$g]="${queue[$g]:-} ${sets[$i]}"; done
+    vllm_run() {  # vllm_run GPU PROMPTS OUT START LOG [T:SEED...]: with sets, OUT/regen-T<T>-s<SEED>; else greedy into OUT
+      local g=$1 pr=$2 o=$3 st=$4 lg=$5; shift 5
+      local sets_arg=(); [ $# -gt 0 ] && sets_arg=(--sets "$@")
+      CUDA_VISIBLE_DEVICES=$g PYTHONPATH=$A/vllm_site:$PYTHONPATH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+        timeout ${REGEN_SECONDS:-400} python3 trainer/regenerate.py --engine vllm --target $A/serve/target \
+        --prompts $pr --out $o --start $st --batch_size 512 --gpu_memory_utilization 0.85 \
+        ${REGEN_DTYPE:+--dtype $REGEN_DTYPE} "${sets_arg[@]}" > "$L/$lg-vllm.log" 2>&1 || log "$lg (vllm) stopped: $?"
+    }
     for g in "${!queue[@]}"; do
-      ( for spec in ${queue[$g]}; do spec_vars $spec
-          CUDA_VISIBLE_DEVICES=$g PYTHONPATH=$A/vllm_site:$PYTHONPATH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-            timeout ${REGEN_SECONDS:-400} python3 trainer/regenerate.py --engine vllm --target $A/serve/target \
-            --prompts $prompts --out $out/$name --temperature $t --seed $seed --start $start --batch_size 512 \
-            --gpu_memory_utilization 0.85 ${REGEN_DTYPE:+--dtype $REGEN_DTYPE} > "$L/$name-vllm.log" 2>&1 \
-            || log "$name (vllm) stopped: $?"
-          ship_set
-        done ) &
+      ( starts=$(for spec in ${queue[$g]}; do [ $spec = eval ] || echo ${spec##*:}; done | sort -un)
+        for st in $starts; do
+          ts=(); for spec in ${queue[$g]}; do [ $spec != eval ] && [ ${spec##*:} = $st ] && ts+=(${spec%:*}); done
+          vllm_run $g $A/prompts/sharegpt_train.jsonl $D $st gpu$g-start$st "${ts[@]}"
+          for spec in ${queue[$g]}; do [ $spec != eval ] && [ ${spec##*:} = $st ] && { spec_vars $spec; ship_set; }; done
+        done
+        if [[ " ${queue[$g]} " == *" eval "* ]]; then  # greedy into data/eval/heldout-T0 (spec_vars' name)
+          spec_vars eval; vllm_run $g $prompts $out/$name 0 $name; ship_set
+        fi ) &
     done
     wait
     exit 0

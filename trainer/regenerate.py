@@ -25,18 +25,23 @@ from pathlib import Path
 import torch
 
 
-def vllm_respond(folder, eos, *, max_new_tokens, temperature, max_model_len, dtype="bfloat16",
-                 gpu_memory_utilization=0.5):
-    """`respond(prompts, seed)` for `regenerate_responses` through vLLM: token ids in, token ids out (no
-    re-tokenisation, no detokenisation). Greedy at temperature 0; otherwise the full distribution (top-p 1, no
-    top-k, the model's generation config ignored), request j of a call seeded with seed + j. A response that
-    stopped at EOS keeps it, as transformers' responses do."""
+def vllm_engine(folder, *, max_model_len, dtype="bfloat16", gpu_memory_utilization=0.5):
+    """One vLLM engine for the target folder (its generation config ignored). Its start (compile, graph capture)
+    took about 60 s on the H200, so several response sets share one engine (`--sets`)."""
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # the bundle has no flashinfer
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
-    llm = LLM(model=str(folder), dtype=dtype, seed=0, gpu_memory_utilization=gpu_memory_utilization,
-              max_model_len=max_model_len, generation_config="vllm")
+    return LLM(model=str(folder), dtype=dtype, seed=0, gpu_memory_utilization=gpu_memory_utilization,
+               max_model_len=max_model_len, generation_config="vllm")
+
+
+def vllm_respond(llm, eos, *, max_new_tokens, temperature):
+    """`respond(prompts, seed)` for `regenerate_responses` through a vLLM engine: token ids in, token ids out (no
+    re-tokenisation, no detokenisation). Greedy at temperature 0; otherwise the full distribution (top-p 1, no
+    top-k), request j of a call seeded with seed + j. A response that stopped at EOS keeps it, as transformers'
+    responses do."""
+    from vllm import SamplingParams
 
     def respond(prompts, seed):
         params = [SamplingParams(temperature=temperature, top_p=1.0, max_tokens=max_new_tokens, detokenize=False,
@@ -64,18 +69,38 @@ def main():
     p.add_argument("--batch_size", type=int, default=128)
     p.add_argument("--shard_size", type=int, default=512)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default=None, help="target dtype (default bfloat16)")
     p.add_argument("--num_workers", type=int, default=1)
     p.add_argument("--worker_index", type=int, default=0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (T>0): one response set per seed")
     p.add_argument("--start", type=int, default=0, help="skip the first N prompts of the file")
     p.add_argument("--engine", default="transformers", choices=["transformers", "vllm"])
     p.add_argument("--gpu_memory_utilization", type=float, default=0.5, help="vLLM's share of the GPU")
+    p.add_argument("--sets", nargs="+", default=None, metavar="T:SEED",
+                   help="vLLM only: several response sets from one engine, set T:SEED into OUT/regen-T<T>-s<SEED> "
+                        "(-<dtype> appended when --dtype is given), instead of --temperature/--seed into OUT")
     args = p.parse_args()
+    suffix = f"-{args.dtype}" if args.dtype else ""  # as the pipeline names sets of REGEN_DTYPE
+    args.dtype = args.dtype or "bfloat16"
     if args.start < 0 or args.seed < 0:
         p.error("--start and --seed must be >= 0")
     if args.engine == "vllm" and args.num_workers > 1:
         p.error("--engine vllm batches all sequences in one process: --num_workers does not apply")
+    sets = [(args.temperature, args.seed, None)]  # (temperature, seed, subfolder name or None: OUT itself)
+    if args.sets:
+        if args.engine != "vllm":
+            p.error("--sets shares one vLLM engine between sets: it needs --engine vllm")
+        sets = []
+        for spec in args.sets:
+            t, _, seed = spec.partition(":")
+            try:
+                sets.append((float(t), int(seed), f"regen-T{t}-s{int(seed)}{suffix}"))
+            except ValueError:
+                p.error(f"--sets {spec!r}: expected T:SEED, e.g. 0:0 or 1:2")
+            if sets[-1][0] < 0 or sets[-1][1] < 0:
+                p.error(f"--sets {spec!r}: temperature and seed must be >= 0")
+        if len({name for *_, name in sets}) < len(sets):
+            p.error(f"--sets {args.sets}: two sets would write the same folder")
 
     from hf_carryover.training.data import regenerate_responses
 
@@ -98,13 +123,15 @@ def main():
         eos = GenerationConfig.from_pretrained(folder).eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         longest = max(len(p) for _, p in prompts)
-        respond = vllm_respond(folder, eos, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               max_model_len=longest + args.max_new_tokens + 8, dtype=args.dtype,
-                               gpu_memory_utilization=args.gpu_memory_utilization)
-        regenerate_responses(None, prompts, out, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                             temperature=args.temperature, shard_size=args.shard_size, seed=args.seed,
-                             respond=respond, eos_token_id=eos)
-        print(f"vllm: {len(prompts)} responses in {out}")
+        llm = vllm_engine(folder, max_model_len=longest + args.max_new_tokens + 8, dtype=args.dtype,
+                          gpu_memory_utilization=args.gpu_memory_utilization)
+        for temperature, seed, name in sets:  # one after another on the one engine (each resumable on its own)
+            dest = out / name if name else out
+            respond = vllm_respond(llm, eos, max_new_tokens=args.max_new_tokens, temperature=temperature)
+            regenerate_responses(None, prompts, dest, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                                 temperature=temperature, shard_size=args.shard_size, seed=seed,
+                                 respond=respond, eos_token_id=eos)
+            print(f"vllm: {len(prompts)} responses in {dest}", flush=True)
         return
 
     dtype = getattr(torch, args.dtype)
