@@ -11,8 +11,9 @@ the ones a greedy set already covers, when the prompt file has grown).
 `--engine vllm` generates with vLLM (0.26, the bundle of `shared/tools/make_vllm_bundle.sh`) instead of
 transformers: one process fills the GPU with many sequences at once. On the H200 a set of 8592 responses took under
 2 minutes, half of it vLLM's start (2026-12-01d), which leaves a 30-minute GPU session its time for training. Two
-vLLM processes must not start together on one GPU: each sizes its KV cache from the memory free at its start. `--target` is then a plain
-HF folder, or 'reference' (its bf16 serving copy is made once under the cache). vLLM decodes in bf16 with its own
+vLLM processes must not start together on one GPU (each sizes its KV cache from the memory free at its start);
+`--sets 0:0 1:1 1:2` makes several sets from one engine instead. `--target` is then a plain HF folder, or
+'reference' (its bf16 serving copy is made once under the cache). vLLM decodes in bf16 with its own
 kernels, so its greedy responses can part from transformers' at near-ties; both are the target's own responses.
 Pass a large `--batch_size` (e.g. 512: one generate() call per shard; vLLM schedules the sequences itself).
 """

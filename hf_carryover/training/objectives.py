@@ -295,7 +295,8 @@ def stage2_loss(model, drafter, target, batch, num_anchors=128, l1_weight=0.0, b
     terms = []
     for s in range(chain + 1):  # group s: the blocks at t (s = 0) or at the s-th shifted anchor
         g = slice(s * N, (s + 1) * N)
-        terms.append(block_loss(proposal_logits(drafter, hidden[:, g], prev[:, g], ok[:, g]), labels[:, g], ok[:, g], w))
+        logits = proposal_logits(drafter, hidden[:, g], prev[:, g], ok[:, g])  # [n_ok of group s, V]
+        terms.append(block_loss(logits, labels[:, g], ok[:, g], w))
     (loss1, m1), m2 = terms[0], terms[-1][1]  # carry metrics: the last step (decoding's case when chain > 1)
     loss_carry = sum(t[0] for t in terms[1:]) / chain
     last, last_ok = c["anchors"][-1], c["ok"][-1]
