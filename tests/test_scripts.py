@@ -597,3 +597,38 @@ def test_replay_diff_finds_where_runs_part():
     assert other["first_noise_round"] == 0
     assert not other["same_tokens"] and other["first_token_round"] is not None and "parting" in other
     assert other["first_fwd_block_round"] is not None and "first_forward_diff" in other
+
+
+def test_data_stats_valid_row_share(tmp_path):
+    """examples/data_stats.py: the expected share of real proposal rows equals a hand count and the mean over many
+    draws of the objectives' own `sample_anchors` + `block_targets`."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import data_stats
+    from hf_carryover.training.objectives import block_targets, sample_anchors
+
+    # prompt 2, sequence 6: anchors t = 2, 3, 4 with 3, 2, 1 valid proposals (P = 3)
+    assert data_stats.valid_row_share(2, 6, 2, 3) == pytest.approx(2 * 2)  # 2 of 3 anchors, 2 rows each on average
+    assert data_stats.valid_row_share(2, 6, 4, 3) == pytest.approx(6)  # all 3 anchors (one padded slot)
+    assert data_stats.valid_row_share(5, 6, 4, 3) == 0.0  # no anchor has a next token
+    g = torch.Generator().manual_seed(0)
+    plen, slen = torch.tensor([3, 2]), torch.tensor([20, 9])
+    draws = []
+    for _ in range(400):
+        anchors, a_ok = sample_anchors(plen, slen, 8, g)
+        _, ok, _, _ = block_targets(torch.zeros(2, 20, dtype=torch.long), slen, anchors, a_ok, 5)
+        draws.append(ok.sum(dim=(1, 2)).float())
+    mean = torch.stack(draws).mean(0)
+    for i in range(2):
+        assert float(mean[i]) == pytest.approx(data_stats.valid_row_share(int(plen[i]), int(slen[i]), 8, 5), rel=0.02)
+    shard = tmp_path / "set" / "shard-00000.jsonl"
+    shard.parent.mkdir()
+    shard.write_text("".join(json.dumps({"id": str(i), "prompt_len": 2, "input_ids": list(range(2 + n))}) + "\n"
+                             for i, n in enumerate([4, 256, 256])))
+    out = tmp_path / "stats.json"
+    data_stats.main(["--data", str(shard.parent), "--anchors", "2", "--block_size", "4", "--out", str(out)])
+    s = json.loads(out.read_text())["sets"][str(shard.parent)]
+    assert s["responses"] == 3 and s["response_tokens"] == 516 and s["share_at_cap_256"] == pytest.approx(2 / 3)
+    # the 4-token response: anchors 2..4 with 3/2/1 rows (mean 2), 2 anchors -> 4 of 6; a 256-token one: 255 anchor
+    # positions, the last two with 2 and 1 rows -> 2 * (253 * 3 + 3) / 255 of 6
+    long = 2 * (253 * 3 + 3) / 255
+    assert s["valid_row_share"]["2"] == pytest.approx((4 + 2 * long) / 18)
