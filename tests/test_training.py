@@ -135,6 +135,26 @@ def test_loss_decreases_and_every_parameter_changes(typ, chain, gate):
     assert not unchanged, unchanged
 
 
+def full_block_loss(logits, labels, ok, weights, target_logits=None, l1_weight=0.0):
+    """Reference for `block_loss`: every row `[b, N, P, V]` through the CE, `ok` applied as weights (the objectives'
+    computation before they dropped the invalid rows)."""
+    import torch.nn.functional as F
+
+    w = weights[None, None, :] * ok.float()
+    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
+    denom = w.sum().clamp(min=1e-6)
+    loss = (ce * w).sum() / denom
+    if target_logits is not None and l1_weight > 0:
+        l1 = (logits.softmax(-1) - target_logits.float().softmax(-1)).abs().sum(-1)
+        loss = (1 - l1_weight) * loss + l1_weight * (l1 * w).sum() / denom
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == labels) & ok
+        acc = hit.float().sum((0, 1)) / ok.float().sum((0, 1)).clamp(min=1)
+        run = torch.cumprod(hit.long(), dim=-1).sum(-1).float()
+        mean_run = run[ok[..., 0]].mean() if ok[..., 0].any() else torch.tensor(0.0)
+    return loss, {"ce": float((ce.detach() * w).sum() / denom), "acc_per_pos": acc.tolist(), "accept_run": float(mean_run)}
+
+
 @pytest.mark.parametrize("typ", ["dflash", "markov"])
 def test_valid_rows_only_logits_change_nothing(typ, monkeypatch):
     """The objectives compute LM-head rows for valid proposals only (`proposal_logits(..., ok)`). Loss, metrics and
@@ -145,15 +165,17 @@ def test_valid_rows_only_logits_change_nothing(typ, monkeypatch):
     target = tiny_target(init=0.3)
     drafter = tiny_drafter(target, typ)
     batch = _recorded_batch(target)
-    full = objectives.proposal_logits
+    full, compact_loss = objectives.proposal_logits, objectives.block_loss
 
     def run(compact, fn, **kw):
-        if not compact:  # the reference: every row through the head, ok applied by block_loss alone
+        if not compact:  # the reference: every row through the head, ok applied by the loss alone
             monkeypatch.setattr(objectives, "proposal_logits", lambda d, h, prev, ok=None: full(d, h, prev))
+            monkeypatch.setattr(objectives, "block_loss", full_block_loss)
         drafter.zero_grad()
         loss, m = fn(drafter, drafter, target, batch, num_anchors=64, generator=torch.Generator().manual_seed(0), **kw)
         loss.backward()
         monkeypatch.setattr(objectives, "proposal_logits", full)
+        monkeypatch.setattr(objectives, "block_loss", compact_loss)
         return loss.detach(), m, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
 
     for fn, kw in [(stage1_loss, {}), (stage2_loss, {}), (stage2_loss, {"chain": 2})]:
@@ -180,13 +202,13 @@ def test_valid_rows_only_logits_change_nothing(typ, monkeypatch):
         labels, ok, prev, pos = block_targets(ids, sl, anchors, a_ok, drafter.config.num_proposals)
         logits = full(drafter, hidden, prev)  # [b, N, P, V]; the target's row at pos - 1 predicts the token at pos
         t_full = tl.gather(1, (pos - 1).clamp(max=L - 1).flatten(1)[..., None].expand(-1, -1, tl.shape[-1]))
-        ref, m_ref = objectives.block_loss(logits, labels, ok, objectives.position_weights(drafter.config, ids.device),
-                                           t_full.view_as(logits), 0.9)
+        ref, m_ref = full_block_loss(logits, labels, ok, objectives.position_weights(drafter.config, ids.device),
+                                     t_full.view_as(logits), 0.9)
         assert torch.allclose(loss, ref, rtol=1e-5, atol=1e-6) and m["ce"] == pytest.approx(m_ref["ce"], rel=1e-5)
         # negative control: target rows one position off give another loss, so the equality above can fail
         t_off = tl.gather(1, pos.clamp(max=L - 1).flatten(1)[..., None].expand(-1, -1, tl.shape[-1]))
-        off, _ = objectives.block_loss(logits, labels, ok, objectives.position_weights(drafter.config, ids.device),
-                                       t_off.view_as(logits), 0.9)
+        off, _ = full_block_loss(logits, labels, ok, objectives.position_weights(drafter.config, ids.device),
+                                 t_off.view_as(logits), 0.9)
         assert not torch.allclose(off, ref, rtol=1e-4)
 
 

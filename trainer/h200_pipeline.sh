@@ -414,9 +414,9 @@ regen)  # more training responses (trainer/regenerate.py), REGEN_SETS="T:SEED:ST
     for g in "${!queue[@]}"; do
       ( starts=$(for spec in ${queue[$g]}; do [ $spec = eval ] || echo ${spec##*:}; done | sort -un)
         for st in $starts; do
-          ts=(); for spec in ${queue[$g]}; do [ $spec != eval ] && [ ${spec##*:} = $st ] && ts+=(${spec%:*}); done
-          vllm_run $g $A/prompts/sharegpt_train.jsonl $D $st gpu$g-start$st "${ts[@]}"
-          for spec in ${queue[$g]}; do [ $spec != eval ] && [ ${spec##*:} = $st ] && { spec_vars $spec; ship_set; }; done
+          grp=(); for spec in ${queue[$g]}; do [ $spec != eval ] && [ ${spec##*:} = $st ] && grp+=($spec); done
+          vllm_run $g $A/prompts/sharegpt_train.jsonl $D $st gpu$g-start$st "${grp[@]%:*}"  # T:SEED of each
+          for spec in "${grp[@]}"; do spec_vars $spec; ship_set; done
         done
         if [[ " ${queue[$g]} " == *" eval "* ]]; then  # greedy into data/eval/heldout-T0 (spec_vars' name)
           spec_vars eval; vllm_run $g $prompts $out/$name 0 $name; ship_set

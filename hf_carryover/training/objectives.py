@@ -111,16 +111,10 @@ def _data_parallel_denominator(denom):
 def block_loss(logits, labels, ok, weights, target_logits=None, l1_weight: float = 0.0):
     """Weighted CE (+ l1_weight * ||p_draft - p_target||_1, which is 2*TV) and per-position accuracy.
 
-    `logits` (and `target_logits`) are either `[b, N, P, V]` or the valid rows only, `[n_ok, V]`
-    (`proposal_logits(..., ok=ok)`); loss and metrics are the same either way."""
-    compact = logits.dim() == 2
-    w = weights[None, None, :] * ok.float()
-    if compact:  # [n_ok] each: the rows of `ok`, row-major
-        w, lab = w[ok], labels[ok]
-        ce = F.cross_entropy(logits, lab, reduction="none")
-    else:
-        lab = labels
-        ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
+    `logits` (and `target_logits`) hold the valid rows only, `[n_ok, V]` in `ok`'s row-major order
+    (`proposal_logits(..., ok=ok)`); `labels` and `ok` are `[b, N, P]`."""
+    w, lab = (weights[None, None, :] * ok.float())[ok], labels[ok]  # [n_ok] each
+    ce = F.cross_entropy(logits, lab, reduction="none")
     denom = w.sum().clamp(min=1e-6)
     shared = _data_parallel_denominator(denom)  # = denom in one process
     loss = (ce * w).sum() / shared
@@ -128,11 +122,8 @@ def block_loss(logits, labels, ok, weights, target_logits=None, l1_weight: float
         l1 = (logits.softmax(-1) - target_logits.float().softmax(-1)).abs().sum(-1)
         loss = (1 - l1_weight) * loss + l1_weight * (l1 * w).sum() / shared
     with torch.no_grad():
-        if compact:
-            hit = torch.zeros_like(ok)
-            hit[ok] = logits.argmax(-1) == lab
-        else:
-            hit = (logits.argmax(-1) == labels) & ok
+        hit = torch.zeros_like(ok)  # [b, N, P]
+        hit[ok] = logits.argmax(-1) == lab
         acc = hit.float().sum((0, 1)) / ok.float().sum((0, 1)).clamp(min=1)
         # expected accepted drafts if each block were verified: leading run of hits
         run = torch.cumprod(hit.long(), dim=-1).sum(-1).float()
