@@ -67,7 +67,11 @@ def main(argv=None):
     if args.block_size < 2 or min(args.anchors) < 1:
         p.error("--block_size must be >= 2 and --anchors >= 1")
     folders = [f for f in args.data.split(",") if f]
-    res = {"command": " ".join(["python"] + [Path(sys.argv[0]).as_posix()] + (argv or sys.argv[1:])), "sets": {}}
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from evaluate_tau import environment
+
+    res = {"command": " ".join(["python"] + [Path(sys.argv[0]).as_posix()] + (argv or sys.argv[1:])),
+           "environment": environment(), "sets": {}}
     every = []
     for f in folders:
         recs = ResponseDataset(f).records
