@@ -16,6 +16,10 @@ Methods (each skipped with a recorded reason when it cannot run here):
                       which every row looks up skips the drafter
   engine_lookup_always_draft:<name> (--lookup N) the same, drafting in every round (what the skip saves)
   engine_pld          (--lookup N) the engine without a drafter, prompt-lookup decoding of N tokens a round
+  engine_tree<N>:<name> (--tree FILE --tree_nodes N ...) the engine verifying a draft tree each round: the N nodes of
+                      FILE's tree (a superset from examples/calibrate_tree.py) the drafter finds likeliest, per row
+                      (N = "all": the whole tree, static); greedy, DFlash drafters; with --lookup also
+                      engine_tree_lookup<N>:<name> (looked-up tokens on the tree's rank-0 chain)
   hf_spec_lookup:<name> (--lookup N) generate(assistant_model=drafter, prompt_lookup_num_tokens=N)
   hf_spec_dynamic:<name>, hf_spec_lookup_dynamic:<name> (CUDA only) the same with `drafter.static_rounds = False`: the
                       drafter's part of a round eager on dynamic shapes, as before static rounds (CUDA graphs) existed
@@ -142,7 +146,8 @@ def make_engine(target, drafter, max_len, profile=False, cuda_graphs=False, comp
                              compile=compile)
 
 
-def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=None, skip_drafter=True):
+def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=None, skip_drafter=True, tree=None,
+               tree_nodes=None):
     """One engine per (target, drafter) serves every dataset and batch size of a run, so a shape is captured and
     compiled once, not once per dataset (and torch.compile stays far below its recompile limit). `skip_drafter`:
     the engine's `lookup_skips_drafter` for this row (False: the drafter runs in every round, looked up or not)."""
@@ -151,6 +156,8 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
     chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
     kw = dict(max_new_tokens=max_new, eos_token_id=eos, do_sample=temperature > 0, temperature=temperature or 1.0,
               prompt_lookup_num_tokens=lookup)
+    if tree is not None:
+        kw.update(tree=tree, tree_nodes=tree_nodes)
     for size in sorted({len(c) for c in chunks}):  # warm-up, capture and compile outside the timed loop, per batch
         engine.generate(next(c for c in chunks if len(c) == size), **kw)  # per shape
     engine.timing = dict.fromkeys(engine.timing, 0)  # the profile covers the timed calls only
@@ -203,6 +210,10 @@ def main():
                    "drafter) and engine_pld (the engine without a drafter)")
     p.add_argument("--passes", type=int, default=1, help="timed passes per method over the same prompts, in "
                    "alternating order (forward, reverse, ...); rows report the median pass and list all of them")
+    p.add_argument("--tree", nargs="+", help="engine_tree rows: a draft-tree JSON (`paths`: rank paths, e.g. from "
+                   "examples/calibrate_tree.py) for every DFlash drafter, or NAME=FILE per drafter (others get none)")
+    p.add_argument("--tree_nodes", nargs="+", default=["all"], help="engine_tree rows: nodes verified per round, each "
+                   "value a row ('all': the whole tree, the same for every round)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if args.passes < 1:
@@ -227,18 +238,28 @@ def main():
     prompt_sets = {d: [r["input_ids"] for r in load_prompts(args.prompts_dir, d, args.limit)] for d in args.datasets}
     longest = max(len(p) for ps in prompt_sets.values() for p in ps)
     engines = {}
+    trees = {}  # drafter name -> TreeSpec
+    if args.tree:
+        from hf_carryover.engine.tree import TreeSpec
+
+        for spec in args.tree:
+            name, _, path = spec.rpartition("=") if "=" in spec else ("", "", spec)
+            for n in ([name] if name else list(drafters)):
+                trees[n] = TreeSpec.load(path)
+    tree_sizes = [None if n == "all" else int(n) for n in args.tree_nodes]
 
     def engine_for(name, d):  # built on first use, then shared by every dataset and batch size
         if name not in engines:
             k = d.config.block_size if d is not None else (args.lookup or 0) + 1
-            engines[name] = make_engine(target, d, longest + args.max_new_tokens + 2 * k, args.profile,
+            extra = trees[name].num_nodes if name in trees else 0
+            engines[name] = make_engine(target, d, longest + args.max_new_tokens + 2 * k + extra, args.profile,
                                         args.cuda_graphs, args.compile)
         return engines[name]
 
     T = args.temperature
     hf = lambda pr, **kw: run_hf(target, pr, args.max_new_tokens, temperature=T, **kw)  # noqa: E731
-    def eng(name, d, pr, b, lookup=None, skip=True):  # one engine per drafter serves rows with and without lookup
-        return run_engine(engine_for(name, d), pr, args.max_new_tokens, b, eos, T, lookup, skip)
+    def eng(name, d, pr, b, lookup=None, skip=True, **tree_kw):  # one engine per drafter: rows with and without lookup
+        return run_engine(engine_for(name, d), pr, args.max_new_tokens, b, eos, T, lookup, skip, **tree_kw)
 
     # fastest first: when a time box cuts the run, the engine rows and the HF baselines exist already
     methods = [(f"engine_ar@{b}", lambda pr, b=b: eng(None, None, pr, b)) for b in args.batch_sizes]
@@ -251,6 +272,13 @@ def main():
                      lambda pr, n=n, d=d, b=b: eng(n, d, pr, b, args.lookup, skip=False))
                     for n, d in drafters.items() for b in args.batch_sizes]
         methods += [(f"engine_pld@{b}", lambda pr, b=b: eng(None, None, pr, b, args.lookup)) for b in args.batch_sizes]
+    if trees:
+        tree_drafters = {n: d for n, d in drafters.items() if d.config.drafter_type == "dflash" and n in trees}
+        for lk in (None, args.lookup) if args.lookup else (None,):
+            kind = "engine_tree_lookup" if lk else "engine_tree"
+            methods += [(f"{kind}{'all' if m is None else m}:{n}@{b}",
+                         lambda pr, n=n, d=d, b=b, m=m, lk=lk: eng(n, d, pr, b, lk, tree=trees[n], tree_nodes=m))
+                        for n, d in tree_drafters.items() for m in tree_sizes for b in args.batch_sizes]
     methods += [("hf_eager", lambda pr: hf(pr))]
     methods += [(f"hf_spec:{n}", lambda pr, d=d: hf(pr, assistant_model=d)) for n, d in drafters.items()]
     if args.lookup:  # our generate() path with context lookup (copies loops from the context)
@@ -272,7 +300,9 @@ def main():
     if device == "cuda":
         methods.append(("hf_static_compile", lambda pr: hf(pr, cache_implementation="static")))
     if args.methods:
-        methods = [m for m in methods if m[0].split("@")[0].split(":")[0] in args.methods or m[0] in args.methods]
+        methods = [m for m in methods if m[0].split("@")[0].split(":")[0] in args.methods or m[0] in args.methods
+                   or (m[0].startswith("engine_tree") and m[0].split("@")[0].split(":")[0].rstrip("0123456789all")
+                       in args.methods)]
 
     def measure(name, fn, dataset, prompts, **extra):
         # the host's 1-minute load average before and after: a batch-1 engine is launch-bound, so a busy host (a

@@ -56,15 +56,19 @@ def load_drafters(specs, dtype, device):
     drafters = {}
     for spec in specs:
         name, path, overrides, lookup = parse_spec(spec)
+        tree = {k: overrides.pop(k) for k in ("tree", "tree_nodes") if k in overrides}
         drafters[name] = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=dtype,
                                                    **overrides).to(device).eval()
         drafters[name]._eval_lookup = lookup
+        drafters[name]._eval_tree = tree
     return drafters
 
 
 def parse_spec(spec: str):
     """`name=folder[,key=value...]` -> (name, folder, config overrides, lookup N or None): `lookup=N` is a generate()
-    argument (context lookup, `prompt_lookup_num_tokens=N`), not a config field."""
+    argument (context lookup, `prompt_lookup_num_tokens=N`), not a config field; so are `tree=FILE` and `tree_nodes=N`
+    (engine only: verify a draft tree from `examples/calibrate_tree.py`, N nodes per round), which stay in the
+    overrides until `load_drafters` takes them out."""
     name, rest = spec.split("=", 1)
     path, *pairs = rest.split(",")
     overrides = {k: json.loads(v) if v in ("true", "false") or v.lstrip("-").isdigit() else v
@@ -148,6 +152,7 @@ def engine_mode(args):
     independently. Greedy rounds equal generate()'s, round for round (tested); at T>0 the
     output follows the target's distribution like generate()'s. Much faster than one generate() per prompt."""
     from hf_carryover.engine.engine import SpeculativeEngine
+    from hf_carryover.engine.tree import TreeSpec
 
     _, target, drafters = _setup(args)
     eos = target.generation_config.eos_token_id
@@ -157,19 +162,27 @@ def engine_mode(args):
             rows = load_prompts(args.prompts_dir, dataset, args.limit)
             width = max(len(r["input_ids"]) for r in rows)
             for name, drafter in drafters.items():
-                engine = SpeculativeEngine(target, drafter, max_len=width + args.max_new_tokens + 2 * drafter.config.block_size)
+                tree = dict(drafter._eval_tree)
+                if "tree" in tree:  # a draft tree instead of the linear block (TreeSpec; N nodes per round or all)
+                    tree["tree"] = TreeSpec.load(tree["tree"])
+                extra = tree["tree"].num_nodes if tree else 0
+                engine = SpeculativeEngine(target, drafter,
+                                           max_len=width + args.max_new_tokens + 2 * drafter.config.block_size + extra)
                 for i in range(0, len(rows), args.engine_batch):
                     chunk = rows[i : i + args.engine_batch]
                     t0 = time.perf_counter()
                     lookup = drafter._eval_lookup  # context lookup: the engine's twin of generate()'s
                     gens = engine.generate([r["input_ids"] for r in chunk], max_new_tokens=args.max_new_tokens,
                                            do_sample=temp > 0, temperature=temp or 1.0, eos_token_id=eos, seed=i,
-                                           prompt_lookup_num_tokens=lookup)
+                                           prompt_lookup_num_tokens=lookup, **tree)
                     dt = time.perf_counter() - t0
                     for r, g, rounds, looked in zip(chunk, gens, engine.rounds, engine.lookup_rounds):
                         rec = {"drafter": name, "dataset": dataset, "temperature": temp, "id": r["id"],
                                "new_tokens": len(g), "seconds": dt / len(chunk), "accepted": rounds,
                                "proposals": [drafter.config.num_proposals] * len(rounds), "engine": True}
+                        if tree:  # rounds verified a tree: `accepted` is tokens emitted minus one
+                            rec.update(tree_nodes=tree.get("tree_nodes") or tree["tree"].num_nodes,
+                                       tree=drafter._eval_tree["tree"])
                         if lookup:  # as the generate() records: the setting and how many rounds looked up
                             rec.update(lookup=lookup, lookup_rounds=sum(looked))
                         out.write(json.dumps(rec) + "\n")
@@ -246,6 +259,10 @@ def main():
     if not args.summarize_only:            # is summarised later (--summarize_only) under its own command
         run_file.write_text(json.dumps({"command": command, "environment": env}, indent=2))
     looked = [d for d in args.drafters if parse_spec(d)[3]]
+    trees = [d for d in args.drafters if "tree" in parse_spec(d)[2]]
+    if trees and not args.engine and not args.summarize_only:
+        raise SystemExit(f"{trees}: draft trees (tree=FILE) are verified by the engine only (--engine); generate() "
+                         "verifies one linear block a round")
     if looked and args.offline:
         raise SystemExit(f"{looked}: context lookup (lookup=N) runs through generate() and the engine; the offline "
                          "replay has no lookup yet (examples/lookup_hybrid_offline.py replays it at T=0)")

@@ -36,6 +36,7 @@ import torch
 from ..generation_carryover import accepted_as_generate_counts, batched_context_lookup, eos_tensor
 from .graphs import capture_round
 from .static_cache import DrafterStaticCache, TargetStaticCache
+from .tree import TreeSpec, accept_tree, node_tokens, select_tree, static_tree, tree_mask, unique_children
 
 
 def _is_cuda(device) -> bool:
@@ -153,6 +154,7 @@ class SpeculativeEngine:
         self.profile = profile
         self.compile = compile
         self._compiled_round = torch.compile(self._round, dynamic=False) if compile else None
+        self._compiled_tree_round = None  # compiled on first use of a tree
         if compile:  # every engine and batch shape recompiles the round; past dynamo's limit (8) it would quietly
             cfg = torch._dynamo.config  # fall back to eager while last_mode still said "+compile"
             name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
@@ -199,16 +201,20 @@ class SpeculativeEngine:
         return self._states[key]
 
     # ------------------------------------------------------------------ target
-    def _target_forward(self, cache, tokens, positions):
-        cache.positions = positions
-        out = self.target(input_ids=tokens, position_ids=positions, attention_mask=cache.causal_mask(positions),
+    def _target_forward(self, cache, tokens, positions, slots=None, mask=None):
+        """Verify `tokens` at RoPE `positions`; K/V go to cache `slots` (default: the positions; a tree round writes
+        nodes of equal depth to distinct slots) and `mask` replaces the causal mask (a tree round's ancestor mask)."""
+        cache.positions = positions if slots is None else slots
+        mask = cache.causal_mask(positions) if mask is None else mask
+        out = self.target(input_ids=tokens, position_ids=positions, attention_mask=mask,
                           use_cache=True, output_hidden_states=self.drafter is not None,
                           **{self._cache_kw: cache})
         feats = self.drafter.target_features(out.hidden_states) if self.drafter is not None else None
         return out.logits.float(), feats
 
     # ------------------------------------------------------------------ drafter
-    def _draft(self, dcache, anchor_tok, anchor_pos, carry, carry_pos, carry_valid, noise, temperature, do_sample):
+    def _draft_logits(self, dcache, anchor_tok, anchor_pos, carry, carry_pos, carry_valid):
+        """The drafter's proposal logits `[b, P, V]` (float32) for the block at each row's anchor."""
         d, cfg = self.drafter, self.drafter.config
         B, b = cfg.block_size, anchor_tok.shape[0]
         block = d.embed_block(anchor_tok[:, None])  # [b, B, d]
@@ -217,7 +223,11 @@ class SpeculativeEngine:
         mask = torch.cat([ctx, carry_valid, torch.ones(b, B, dtype=torch.bool, device=ctx.device)], 1)
         hidden = d(block, positions, cache=dcache, carryover_features=carry, carryover_positions=carry_pos,
                    attn_mask=mask[:, None, None, :])
-        logits = d.lm_logits(hidden[:, d.proposal_rows()]).float()  # [b, P, V]
+        return d.lm_logits(hidden[:, d.proposal_rows()]).float()  # [b, P, V]
+
+    def _draft(self, dcache, anchor_tok, anchor_pos, carry, carry_pos, carry_valid, noise, temperature, do_sample):
+        d, cfg, b = self.drafter, self.drafter.config, anchor_tok.shape[0]
+        logits = self._draft_logits(dcache, anchor_tok, anchor_pos, carry, carry_pos, carry_valid)  # [b, P, V]
         if cfg.drafter_type != "markov" and not do_sample:
             return logits.argmax(-1), None  # greedy DFlash: rows are independent, no distribution needed
         if cfg.drafter_type != "markov":  # sampled DFlash: one draw for all rows, proposal j with uniform column j
@@ -320,6 +330,15 @@ class SpeculativeEngine:
             j = steps[1 : k + 1][None]
             st.carry_valid.copy_((j > a[:, None]) & (j <= n_drafted[:, None]) & ~done[:, None])
             st.carry_pos.copy_(bpos[:, 1:])
+        self._commit(st, drafts, a, nxt, a_log, lookup, hit if lookup else None)
+        clock.lap("other")
+
+    def _commit(self, st: DecodeState, drafts, a, nxt, a_log, lookup=0, hit=None):
+        """Emit each row's accepted drafts `drafts[:, :a]` `[b, k]` and `nxt`, within its length budget and through
+        its first EOS; log the round (`a_log`, None: the tokens kept minus one) and move the anchors. With `lookup`,
+        also extend the committed sequence and compute the next round's lookup."""
+        k, steps = st.k, self._steps
+        done, n_out = st.done, st.n_out
         emitted = torch.cat([drafts, torch.zeros_like(nxt)[:, None]], 1)
         emitted.scatter_(1, a[:, None], nxt[:, None])  # accepted drafts, then the correction/bonus
         # keep the first a+1 tokens, within the length budget, up to and including the first EOS
@@ -333,6 +352,8 @@ class SpeculativeEngine:
         if lookup:  # the committed sequence grows by the kept tokens, after the anchor
             at = (st.anchor_pos[:, None] + 1 + idx).clamp(max=st.seq.shape[1] - 1)
             st.seq.scatter_(1, at, torch.where(keep, emitted, st.seq.gather(1, at)))
+        if a_log is None:  # tokens kept minus one; a round with no room for a draft is no draft round, as above
+            a_log = torch.where(st.max_new - n_out - 1 > 0, keep.sum(1) - 1, torch.full_like(a, -1))
         col = st.round.clamp(max=st.accepted.shape[1] - 1).expand(st.b, 1)  # [b, 1]: this round's column
         st.accepted.scatter_(1, col, torch.where(done, torch.full_like(a, -1), a_log)[:, None])
         if lookup:  # `looked` has `accepted`'s shape: the same column
@@ -346,7 +367,45 @@ class SpeculativeEngine:
         st.done.copy_(new_done)
         all_look = self._lookup_next(st, lookup) if lookup else torch.zeros_like(new_done[0])
         st.flags.copy_(torch.stack([new_done.all(), all_look]))
-        clock.lap("other")
+
+    def _tree_round(self, st: DecodeState, tree: TreeSpec, lookup=0, nodes=None):
+        """One greedy round that verifies a static draft tree (`tree.py`) instead of the linear block, for all rows.
+
+        The drafter drafts as usual (without carryover rows: their prefix is the rank-0 chain's, which the accepted
+        path may leave inside the tree); the tree's nodes take its top-ranked tokens; with `lookup`, a row's
+        looked-up tokens replace the rank-0 chain's (the other nodes stay as alternatives). One target forward
+        verifies all nodes; the accepted path's K/V and target features are moved to the positions after the
+        anchor, so the caches end as after a linear verification of that path. `nodes` (a Python int): each row
+        verifies the `nodes` nodes of `tree` its drafter finds likeliest (`tree.select_tree`); None: all of `tree`.
+        No host sync, fixed shapes."""
+        k, steps, b = st.k, self._steps, st.b
+        logits_d = self._draft_logits(st.dcache, st.anchor, st.anchor_pos, None, st.carry_pos, st.carry_valid[:, :0])
+        lp, top = logits_d[:, : tree.max_depth].log_softmax(-1).topk(tree.max_rank, -1)  # [b, D, R] each
+        t = static_tree(tree, b, st.anchor.device) if nodes is None else select_tree(tree, lp, nodes)
+        depth = t["depth"]  # [b, N+1]
+        n = depth.shape[1]
+        tokens = node_tokens(top, t)  # [b, N]
+        hit = None
+        if lookup:
+            look, n_look = st.look.clone(), st.n_look.clone()  # [b, k], [b]
+            hit = n_look > 0
+            d1 = depth[:, 1:]
+            use = t["main"][:, 1:] & hit[:, None] & (d1 <= n_look[:, None])  # [b, N]
+            tokens = torch.where(use, look.gather(1, (d1 - 1).clamp(max=k - 1)), tokens)
+        valid = unique_children(tokens, t)
+        block = torch.cat([st.anchor[:, None], tokens], 1)  # [b, N+1]
+        slots = st.anchor_pos[:, None] + steps[:n]  # [b, N+1]: node i at slot anchor_pos + i
+        rope = st.anchor_pos[:, None] + depth  # [b, N+1]: at position anchor_pos + depth(i)
+        logits, feats = self._target_forward(st.cache, block, rope, slots=slots,
+                                             mask=tree_mask(steps, st.anchor_pos, t))
+        a, path, nxt = accept_tree(tokens, valid, logits.argmax(-1), t)
+        st.cache.move(slots.gather(1, path), slots)  # the accepted path's K/V to slots anchor_pos + depth
+        m = min(n, k + 1)  # the drafter's context needs rows 0..a (a <= depth <= k)
+        rows = feats.gather(1, path[:, :m, None].expand(-1, -1, feats.shape[-1]))  # [b, m, F]
+        st.dcache.write(self.drafter, self.drafter.fuse(rows), st.anchor_pos[:, None] + steps[:m])
+        drafts = block.gather(1, path[:, 1:m])  # [b, m-1]: the accepted path's tokens first
+        drafts = torch.cat([drafts, drafts.new_zeros(b, k - drafts.shape[1])], 1)  # [b, k]
+        self._commit(st, drafts, a, nxt, None, lookup, hit)
 
     @staticmethod
     def _lookup_next(st: DecodeState, lookup: int) -> torch.Tensor:
@@ -360,12 +419,18 @@ class SpeculativeEngine:
     # ------------------------------------------------------------------ loop
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens=256, do_sample=False, temperature=1.0, eos_token_id=None, seed=0,
-                 prompt_lookup_num_tokens=None):
+                 prompt_lookup_num_tokens=None, tree=None, tree_nodes=None):
         """prompts: list of token-id lists. Returns a list of generated token lists (prompt excluded).
 
         prompt_lookup_num_tokens=N: context lookup (module docstring), transformers' argument name as in the
         generate() path; with a drafter it proposes at most its block, without one N tokens a round. After the call
-        `self.lookup_rounds` holds, per row, which logged rounds proposed looked-up tokens."""
+        `self.lookup_rounds` holds, per row, which logged rounds proposed looked-up tokens.
+
+        tree: a `TreeSpec` or a list of rank paths (`tree.py`): every round verifies that draft tree instead of the
+        linear block (greedy, DFlash drafters). Output is still the target's greedy output; `self.rounds` then
+        logs, per round, the tokens emitted minus one, so `tau` is tokens per verification. tree_nodes=N: each row
+        verifies only the N nodes of `tree` its drafter finds likeliest that round (a dynamic tree; `tree` is then
+        the superset, e.g. a calibrated one from `examples/calibrate_tree.py`)."""
         lookup = 0
         if prompt_lookup_num_tokens is not None:
             if int(prompt_lookup_num_tokens) < 1:
@@ -383,6 +448,7 @@ class SpeculativeEngine:
             raise ValueError(f"max_len={self.max_len} is too small for prompts of {int(plen.max())} tokens + "
                              f"{max_new_tokens} new tokens + a block of {k}.")
         eos = eos_tensor(eos_token_id).to(dev)
+        tree = self._check_tree(tree, do_sample, int(plen.max()) + max_new_tokens, tree_nodes)
         st = self._state(b, k, max_new_tokens, eos.numel(), dev, dtype)
 
         # prefill (eager: its width depends on the prompts): prompts left-aligned at position 0; positions past
@@ -406,13 +472,13 @@ class SpeculativeEngine:
             st.flags[1] = self._lookup_next(st, lookup)
 
         # round variants: drafted (True) and, with lookup and a drafter, one that skips the drafter (False)
-        skip_ok = bool(lookup) and self.drafter is not None and self.lookup_skips_drafter
+        skip_ok = bool(lookup) and self.drafter is not None and self.lookup_skips_drafter and tree is None
         graphs, modes = {}, {}
         for draft in (True, False) if skip_ok else (True,):
-            graphs[draft], modes[draft] = self._graph(st, dev, do_sample, lookup, draft)
+            graphs[draft], modes[draft] = self._graph(st, dev, do_sample, lookup, draft, tree, tree_nodes)
         self.last_mode = modes[True]
-        step = self._round_fn(do_sample)
-        if graphs[True] is None and step is self._compiled_round:
+        step = self._round_fn(do_sample, tree)
+        if graphs[True] is None and step in (self._compiled_round, self._compiled_tree_round) and step is not None:
             self.last_mode += " +compile"
         clock = _Clock(self.profile, dev, self.timing)
         self.skipped_drafts = 0
@@ -426,6 +492,8 @@ class SpeculativeEngine:
                 st.draw(gen)  # outside the graph: the generator advances exactly as in the eager loop
             if graphs[draft] is not None:
                 graphs[draft].replay()
+            elif tree is not None:
+                step(st, tree, lookup, tree_nodes)
             else:
                 step(st, do_sample, clock, lookup, draft)
             if self.round_hook is not None:
@@ -437,14 +505,43 @@ class SpeculativeEngine:
         n_out = st.n_out.tolist()
         return [row[:n] for row, n in zip(st.out.tolist(), n_out)]
 
-    def _round_fn(self, do_sample):
+    def _check_tree(self, tree, do_sample, longest, nodes=None):
+        """`tree` as a TreeSpec (or None), after checking that this engine and call can verify it."""
+        if tree is None:
+            return None
+        tree = tree if isinstance(tree, TreeSpec) else TreeSpec(tree)
+        d = self.drafter
+        if d is None or d.config.drafter_type != "dflash":
+            raise ValueError("tree verification needs a DFlash drafter: its block positions are drafted independently, "
+                             "so the top-ranked tokens of each position combine into a tree (a Markov drafter's "
+                             "proposals depend on the previous proposal).")
+        if do_sample:
+            raise ValueError("tree verification is greedy only (do_sample=False); sampled rounds verify the linear "
+                             "block.")
+        if tree.max_depth > d.config.num_proposals:
+            raise ValueError(f"draft tree of depth {tree.max_depth}: this drafter proposes "
+                             f"{d.config.num_proposals} tokens a block.")
+        if nodes is not None and not 1 <= int(nodes) <= tree.num_nodes:
+            raise ValueError(f"tree_nodes={nodes}: choose between 1 and the tree's {tree.num_nodes} nodes.")
+        if longest + tree.num_nodes + 2 > self.max_len:
+            raise ValueError(f"max_len={self.max_len} is too small for {longest} tokens + a tree of "
+                             f"{tree.num_nodes} nodes.")
+        return tree
+
+    def _round_fn(self, do_sample, tree=None):
         """The compiled round where it applies (greedy or sampled; not when profiling: the clock's syncs would split
         the graph). `do_sample` is a Python bool, so greedy and sampled rounds compile separately."""
+        if tree is not None:
+            if self.compile and not self.profile:
+                if self._compiled_tree_round is None:
+                    self._compiled_tree_round = torch.compile(self._tree_round, dynamic=False)
+                return self._compiled_tree_round
+            return self._tree_round
         if self._compiled_round is not None and not self.profile:
             return self._compiled_round
         return self._round
 
-    def _graph(self, st: DecodeState, dev, do_sample, lookup=0, draft=True):
+    def _graph(self, st: DecodeState, dev, do_sample, lookup=0, draft=True, tree=None, nodes=None):
         """(captured round or None, mode string). Captures on the first call for this shape; a failed capture is
         remembered (and warned about once), and that shape then decodes eagerly, never with a broken graph."""
         if not self.cuda_graphs:
@@ -453,13 +550,16 @@ class SpeculativeEngine:
             return None, "eager (no CUDA)"
         if self.profile:  # phase timing needs syncs inside the round
             return None, "eager (profile)"
-        key = (st.b, st.k, st.cap, st.eos.numel(), do_sample, lookup, draft)
+        shape = None if tree is None else (tuple(tree.paths), nodes)
+        key = (st.b, st.k, st.cap, st.eos.numel(), do_sample, lookup, draft, shape)
         if key not in self._graphs:
             if bool(st.done.all()):  # nothing to decode: do not capture on a finished state
                 return None, "eager (nothing to decode)"
             try:
-                step = self._round_fn(do_sample)
-                self._graphs[key] = capture_round(lambda: step(st, do_sample, None, lookup, draft), st.tensors())
+                step = self._round_fn(do_sample, tree)
+                fn = (lambda: step(st, tree, lookup, nodes)) if tree is not None else (
+                    lambda: step(st, do_sample, None, lookup, draft))
+                self._graphs[key] = capture_round(fn, st.tensors())
             except Exception as e:  # noqa: BLE001  (any capture error: decode eagerly instead)
                 self._graphs[key] = f"{type(e).__name__}: {e}"
                 warnings.warn(f"CUDA-graph capture failed for batch {st.b}; decoding eagerly: {self._graphs[key]}",

@@ -28,9 +28,12 @@ class TargetStaticCache:
 
     def __init__(self, num_layers, batch, kv_heads, max_len, head_dim, dtype, device, key_positions=None):
         self.is_sliding = [False] * num_layers  # read by transformers' mask helpers (5.17: one flag per layer)
-        shape = (batch, kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # one tensor per K and V for all layers ([layers, b, kv_heads, max_len, head_dim]); the per-layer lists are views
+        # of it, so a tree round can move accepted rows in every layer with one gather and one scatter (`move`)
+        shape = (num_layers, batch, kv_heads, max_len, head_dim)
+        self.k_all = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_all = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
         self.positions: torch.Tensor | None = None
         self.max_len = max_len
         # key positions `arange(max_len)`, made once (no per-round arange); the engine passes its own `_steps`
@@ -42,6 +45,13 @@ class TargetStaticCache:
         self.k[layer_idx].scatter_(2, idx, key_states.to(self.k[layer_idx].dtype))
         self.v[layer_idx].scatter_(2, idx, value_states.to(self.v[layer_idx].dtype))
         return self.k[layer_idx], self.v[layer_idx]
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V rows at slots `src` `[b, n]` to slots `dst` `[b, n]` (read all, then write all)."""
+        L, _, h, _, d = self.k_all.shape
+        for buf in (self.k_all, self.v_all):
+            rows = buf.gather(3, src[None, :, None, :, None].expand(L, -1, h, -1, d))  # [L, b, h, n, d]
+            buf.scatter_(3, dst[None, :, None, :, None].expand(L, -1, h, -1, d), rows)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are always passed explicitly

@@ -1,0 +1,173 @@
+"""Tree verification for DFlash drafters: several candidate continuations checked in one target forward.
+
+Why it pays for a block drafter: a DFlash drafter gives, from one forward, a distribution at every block position
+that does not depend on the tokens proposed before it (the block is `[anchor, mask, ...]`). Its top-ranked
+alternatives are therefore free, and a tree whose nodes are "the rank-r token at depth d" (Medusa-style static
+tree over ranks) covers the places where the top-1 chain usually breaks (the first one or two positions) at the
+price of more verified tokens. For a small target at batch 1 the verify forward costs about the same for 16 or 64
+tokens (it is bound by kernel launches, not arithmetic), so more accepted tokens per verification is nearly free
+speed. The tree's shape is fixed per call (a list of rank paths), so every round has the same shapes and runs as
+one CUDA graph like the linear rounds.
+
+Vocabulary: node 0 is the root (the anchor, the last committed token); node i >= 1 is the rank path
+`paths[i-1]` = (r_1, ..., r_d): the rank-r_d token of the drafter's depth-d distribution, child of the node whose
+path is (r_1, ..., r_{d-1}). Nodes are ordered by depth, so a parent always comes before its children.
+
+Verification of a tree in a position-indexed static cache: node i is written at cache slot `anchor_pos + i` with
+RoPE position `anchor_pos + depth(i)`, and its query sees the committed slots (< anchor_pos) and its ancestors'
+slots. After acceptance (the target's argmax at each accepted node's parent equals the node's token; accepted
+nodes form one path), the accepted path's K/V are moved to the slots `anchor_pos + 1 .. anchor_pos + a`, which
+makes the cache exactly what a linear verification of that path would have left.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TreeSpec:
+    """A static draft tree given by rank paths, e.g. `[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]`.
+
+    Every prefix of a path must be in the tree too (a node needs its parent). Tensors are built once per device."""
+
+    def __init__(self, paths):
+        paths = [tuple(int(r) for r in p) for p in paths]
+        if not paths:
+            raise ValueError("a draft tree needs at least one node")
+        if len(set(paths)) != len(paths):
+            raise ValueError("a draft tree lists a rank path twice")
+        have = set(paths)
+        for p in paths:
+            if not p or min(p) < 0:
+                raise ValueError(f"rank path {p}: ranks are >= 0 and a path has at least one step")
+            if len(p) > 1 and p[:-1] not in have:
+                raise ValueError(f"rank path {p} has no parent {p[:-1]} in the tree (every prefix must be a node)")
+        self.paths = sorted(paths, key=lambda p: (len(p), p))  # by depth, so parents precede children
+        self.num_nodes = len(self.paths)
+        self.max_depth = max(len(p) for p in self.paths)
+        self.max_rank = max(max(p) for p in self.paths) + 1
+        index = {p: i + 1 for i, p in enumerate(self.paths)}
+        self.parent = [0 if len(p) == 1 else index[p[:-1]] for p in self.paths]
+        self._tensors: dict = {}
+
+    @classmethod
+    def chain(cls, length: int) -> "TreeSpec":
+        """The linear block as a tree (rank 0 at every depth): tree rounds with it accept what linear rounds do."""
+        return cls([(0,) * d for d in range(1, length + 1)])
+
+    @classmethod
+    def load(cls, path) -> "TreeSpec":
+        """A tree saved as JSON with a `paths` list (what `examples/calibrate_tree.py` writes)."""
+        import json
+
+        with open(path) as f:
+            data = json.load(f)
+        if "paths" not in data:
+            raise ValueError(f"{path}: a draft-tree file needs a 'paths' list of rank paths")
+        return cls(data["paths"])
+
+    def __len__(self) -> int:
+        return self.num_nodes
+
+    def __repr__(self) -> str:
+        return f"TreeSpec({self.num_nodes} nodes, depth {self.max_depth}, ranks {self.max_rank})"
+
+    def tensors(self, device) -> dict:
+        """depth/rank/parent `[N+1]` (root included, depth 0) and `anc` `[N+1, N+1]` bool: anc[i, j] = node j is
+        node i itself or one of its ancestors (the root is everyone's)."""
+        key = str(device)
+        if key not in self._tensors:
+            n = self.num_nodes + 1
+            depth = torch.tensor([0] + [len(p) for p in self.paths])
+            rank = torch.tensor([0] + [p[-1] for p in self.paths])
+            parent = torch.tensor([0] + self.parent)
+            anc = torch.eye(n, dtype=torch.bool)
+            anc[:, 0] = True
+            for i in range(1, n):  # parents come first, so their rows are complete
+                anc[i] |= anc[parent[i]]
+            main = torch.tensor([True] + [max(p) == 0 for p in self.paths])  # the rank-0 chain (lookup goes there)
+            self._tensors[key] = {name: t.to(device) for name, t in
+                                  dict(depth=depth, rank=rank, parent=parent, anc=anc, main=main).items()}
+        return self._tensors[key]
+
+
+def static_tree(spec: TreeSpec, b: int, device) -> dict:
+    """The spec's tensors with a batch dim (expanded views): every row verifies the same tree."""
+    t = spec.tensors(device)
+    return {name: v.expand(b, *v.shape) for name, v in t.items()}
+
+
+def select_tree(spec: TreeSpec, logprobs: torch.Tensor, nodes: int) -> dict:
+    """Per-row trees of `nodes` nodes chosen from the superset `spec` by the drafter's own probabilities.
+
+    logprobs `[b, D, R]`: log-probabilities of the drafter's top-R tokens at depths 1..D. A node's score is its path's
+    log-probability under the drafter (sum over its ancestors' ranks; the positions of a DFlash block are drafted
+    independently, so that is the product of the marginals); the best `nodes` are kept. A child never scores above
+    its parent, so the kept set is a tree (ties go to the shallower node). This is the dynamic tree of EAGLE-2 with a
+    fixed node count, chosen on the device: per-row tensors as `static_tree` gives, and no host sync."""
+    t = spec.tensors(logprobs.device)
+    b, R = logprobs.shape[0], logprobs.shape[2]
+    depth, rank = t["depth"], t["rank"]
+    node_lp = logprobs.flatten(1)[:, (depth[1:] - 1) * R + rank[1:]]  # [b, M]: each superset node's own step
+    path_lp = node_lp @ t["anc"][1:, 1:].T.to(node_lp.dtype)  # [b, M]: summed over the node and its ancestors
+    score = path_lp - 1e-4 * depth[1:]
+    keep = score.topk(min(nodes, spec.num_nodes), dim=1).indices.sort(1).values + 1  # [b, N]: superset ids, by depth
+    sel = torch.cat([torch.zeros_like(keep[:, :1]), keep], 1)  # [b, N+1], root first
+    local = torch.zeros(b, spec.num_nodes + 1, dtype=torch.long, device=sel.device)
+    local.scatter_(1, sel, torch.arange(sel.shape[1], device=sel.device).expand(b, -1))  # superset id -> kept index
+    return {"depth": depth[sel], "rank": rank[sel], "parent": local.gather(1, t["parent"][sel]),
+            "anc": t["anc"][sel[:, :, None], sel[:, None, :]], "main": t["main"][sel]}  # anc: [b, N+1, N+1]
+
+
+def node_tokens(top: torch.Tensor, t: dict) -> torch.Tensor:
+    """Proposal tokens of the tree nodes `[b, N]` from the drafter's top-ranked tokens `top` `[b, D, R]`."""
+    depth, rank = t["depth"][:, 1:], t["rank"][:, 1:]
+    return top.flatten(1).gather(1, (depth - 1) * top.shape[2] + rank)
+
+
+def unique_children(tokens: torch.Tensor, t: dict) -> torch.Tensor:
+    """`[b, N]` bool: False for a node whose token an earlier sibling already proposes (only after a lookup put its
+    tokens on the rank-0 chain). Siblings with equal tokens would both be accepted; keeping the first keeps the
+    accepted nodes one path."""
+    parent = t["parent"][:, 1:]
+    same_parent = parent[:, :, None] == parent[:, None, :]  # [b, N, N]
+    earlier = torch.ones_like(same_parent[0]).tril(-1)  # j < i
+    dup = (tokens[:, :, None] == tokens[:, None, :]) & same_parent & earlier
+    return ~dup.any(-1)
+
+
+def tree_mask(keys: torch.Tensor, anchor_pos: torch.Tensor, t: dict) -> torch.Tensor:
+    """`[b, 1, N+1, max_len]` bool attention mask of the tree verify: committed slots and the node's ancestors."""
+    anc = t["anc"]  # [b, n, n]
+    n = anc.shape[1]
+    rel = keys[None, :] - anchor_pos[:, None]  # [b, max_len]: slot relative to the anchor's slot
+    inside = (rel >= 0) & (rel < n)
+    anc_cols = anc.gather(2, rel.clamp(0, n - 1)[:, None, :].expand(-1, n, -1))  # [b, n, max_len]
+    return ((rel < 0)[:, None, :] | (inside[:, None, :] & anc_cols))[:, None]
+
+
+def accept_tree(tokens: torch.Tensor, valid: torch.Tensor, choice: torch.Tensor, t: dict):
+    """Greedy acceptance of a tree.
+
+    tokens, valid `[b, N]` (node proposals; invalid ones are never accepted); choice `[b, N+1]` (the target's
+    argmax after each node, root first). Returns a `[b]` (accepted depth), `path` `[b, N+1]` (path[:, d] = node at
+    depth d of the accepted path for d <= a; the identity elsewhere, so slots past a are left as they are) and the
+    next token `[b]` (the target's argmax after the deepest accepted node)."""
+    parent, depth, anc = t["parent"][:, 1:], t["depth"], t["anc"]
+    match = (tokens == choice.gather(1, parent)) & valid  # [b, N]: node proposes what the target chose after its parent
+    match = torch.cat([torch.ones_like(match[:, :1]), match], 1)  # [b, N+1], the root always holds
+    # a node is accepted when it and all its ancestors match: count matching ancestors (self included) by depth
+    ok = (match[:, None, :] & anc).sum(-1) == depth + 1  # [b, N+1]
+    a = (ok * depth).amax(1)  # [b]
+    last = (ok * (depth + 1) * (depth == a[:, None])).argmax(1)  # the deepest accepted node (unique)
+    b, n = depth.shape
+    ident = torch.arange(n, device=tokens.device).expand(b, -1)
+    on_path = anc[torch.arange(b, device=tokens.device), last] & ok  # [b, N+1]: accepted nodes are last's ancestors
+    # on-path node i goes to column depth(i); the others to spare columns n + i, so no two writes meet
+    spare = torch.cat([ident, ident], 1)  # [b, 2(N+1)]
+    spare.scatter_(1, torch.where(on_path, depth, ident + n), ident)
+    path = spare[:, :n]
+    return a, path, choice.gather(1, last[:, None])[:, 0]
+
+
+__all__ = ["TreeSpec", "accept_tree", "node_tokens", "select_tree", "static_tree", "tree_mask", "unique_children"]

@@ -1,0 +1,148 @@
+"""Tree verification in the fast engine (CPU, eager, fp32): exact greedy output, the chain tree equals linear rounds,
+a wider tree accepts at least as much per round, the K/V move, and clear errors."""
+
+import pytest
+import torch
+from conftest import build_drafter, build_target
+from test_engine import _greedy_refs, _trained_setup
+
+from hf_carryover.engine.engine import SpeculativeEngine
+from hf_carryover.engine.static_cache import TargetStaticCache
+from hf_carryover.engine.tree import TreeSpec, accept_tree, select_tree, static_tree
+
+WIDE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0), (0, 0, 1)]
+
+
+def _prompts(seed, lengths):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 90, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("carryover", [False, True])
+@pytest.mark.parametrize("lookup", [None, 4])
+@pytest.mark.parametrize("nodes", [None, 5])
+def test_tree_output_equals_plain_greedy(arch, carryover, lookup, nodes):
+    """Any tree, static or chosen per row (nodes=5 of WIDE), untrained drafter (mostly rejections: the K/V move of
+    short paths), batch of 4, ends mid-tree."""
+    target = build_target(arch)
+    prompts = _prompts(0, (1, 6, 13, 4))
+    refs = _greedy_refs(target, prompts, 23)
+    engine = SpeculativeEngine(target, build_drafter(target, "dflash", carryover), max_len=128)
+    out = engine.generate(prompts, max_new_tokens=23, tree=WIDE, prompt_lookup_num_tokens=lookup, tree_nodes=nodes)
+    assert out == refs
+    assert sum(len(r) for r in engine.rounds) > 0
+
+
+def test_tree_with_a_good_drafter_equals_greedy_and_accepts_more():
+    """A drafter that is often right: long accepted paths (K/V moved past siblings), output still exact; the chain
+    tree reproduces the linear rounds exactly, and a wider tree (a superset of the chain) never accepts less per
+    round on these prompts, and here strictly more in total."""
+    target, drafter, prompts, max_new, refs = _trained_setup("dflash", False, steps=40)
+    engine = SpeculativeEngine(target, drafter, max_len=160)
+    linear = engine.generate(prompts, max_new_tokens=max_new)
+    linear_rounds = engine.rounds
+    assert linear == refs
+    k = drafter.config.num_proposals
+    assert engine.generate(prompts, max_new_tokens=max_new, tree=TreeSpec.chain(k)) == refs
+    assert engine.rounds == linear_rounds
+    wide = TreeSpec.chain(k).paths + [(1,), (2,), (1, 0), (0, 1), (0, 0, 1), (1, 0, 0), (0, 1, 0)]
+    assert engine.generate(prompts, max_new_tokens=max_new, tree=wide) == refs
+    tau_linear = sum(len(r) for r in refs) / sum(len(r) for r in linear_rounds)
+    assert engine.tau >= tau_linear
+    assert sum(len(r) for r in engine.rounds) < sum(len(r) for r in linear_rounds)
+
+
+def test_compiled_tree_round_equals_eager():
+    target = build_target("llama", seed=5)
+    drafter = build_drafter(target, "dflash", False)
+    prompts = _prompts(1, (4, 9))
+    eager = SpeculativeEngine(target, drafter, max_len=96)
+    fast = SpeculativeEngine(target, drafter, max_len=96, compile=True)
+    ref = eager.generate(prompts, max_new_tokens=20, tree=WIDE)
+    assert fast.generate(prompts, max_new_tokens=20, tree=WIDE) == ref and fast.rounds == eager.rounds
+    assert fast.last_mode == "eager +compile"
+
+
+def test_accept_tree_picks_the_matching_path():
+    spec = TreeSpec([(0,), (1,), (0, 0), (1, 0), (1, 1), (1, 0, 0)])  # nodes 1..6 in this (depth) order
+    t = static_tree(spec, 1, "cpu")
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 10]])  # node i proposes tokens[i-1]
+    # the target chooses 6 after the root (node 2), then 9 after node 2 (node 5); after node 5: 42 (bonus)
+    choice = torch.tensor([[6, 0, 9, 0, 0, 42, 0]])
+    a, path, nxt = accept_tree(tokens, torch.ones_like(tokens, dtype=torch.bool), choice, t)
+    assert a.tolist() == [2] and nxt.tolist() == [42]
+    assert path[0, :3].tolist() == [0, 2, 5] and path[0, 3:].tolist() == [3, 4, 5, 6]
+    # an invalid node is never accepted, even when it matches
+    valid = torch.tensor([[True, False, True, True, True, True]])
+    a, path, nxt = accept_tree(tokens, valid, choice, t)
+    assert a.tolist() == [0] and nxt.tolist() == [6] and path[0].tolist() == list(range(7))
+
+
+def _best_first(lp, n):
+    """Reference: the n likeliest rank paths (product of per-depth probabilities), grown one node at a time."""
+    import heapq
+
+    D, R = lp.shape
+    out, heap = [], [(-lp[0, 0].item(), (0,))]
+    while heap and len(out) < n:
+        neg, path = heapq.heappop(heap)
+        out.append(path)
+        if len(path) < D:
+            heapq.heappush(heap, (neg - lp[len(path), 0].item(), path + (0,)))
+        if path[-1] + 1 < R:
+            d = len(path) - 1
+            heapq.heappush(heap, (neg + lp[d, path[-1]].item() - lp[d, path[-1] + 1].item(), path[:-1] + (path[-1] + 1,)))
+    return set(out)
+
+
+def test_select_tree_keeps_the_likeliest_paths_as_a_tree():
+    D, R = 5, 4
+    full = TreeSpec([p for d in range(1, D + 1) for p in __import__("itertools").product(range(R), repeat=d)])
+    g = torch.Generator().manual_seed(0)
+    lp = torch.randn(3, D, 50, generator=g).mul(2).log_softmax(-1).topk(R, -1).values  # [b, D, R], sorted
+    t = select_tree(full, lp, 12)
+    for r in range(3):
+        paths = [full.paths[i - 1] for i in range(1, full.num_nodes + 1)]
+        depth, parent, rank = t["depth"][r].tolist(), t["parent"][r].tolist(), t["rank"][r].tolist()
+        # rebuild each kept node's rank path from its parent chain
+        kept = [()]
+        for i in range(1, len(depth)):
+            assert parent[i] < i and depth[parent[i]] == depth[i] - 1  # parents first, one level up
+            kept.append(kept[parent[i]] + (rank[i],))
+        assert set(kept[1:]) == _best_first(lp[r], 12) and set(kept[1:]) <= set(paths)
+        anc = t["anc"][r]
+        for i in range(len(depth)):  # anc holds exactly the node and its ancestors
+            chain, j = {0, i}, i
+            while j:
+                chain.add(j)
+                j = parent[j]
+            assert set(anc[i].nonzero()[:, 0].tolist()) == chain
+
+
+def test_cache_move_reads_before_writing():
+    cache = TargetStaticCache(2, 1, 1, 8, 1, torch.float32, "cpu")
+    cache.k_all.copy_(torch.arange(8.0).view(1, 1, 1, 8, 1).expand(2, 1, 1, 8, 1))
+    cache.move(torch.tensor([[3, 5, 6]]), torch.tensor([[2, 3, 4]]))  # slot 3 is read before it is overwritten
+    assert cache.k[1][0, 0, :, 0].tolist() == [0, 1, 3, 5, 6, 5, 6, 7]
+    assert cache.k[0].data_ptr() == cache.k_all.data_ptr()  # the per-layer lists are views
+
+
+def test_tree_errors():
+    with pytest.raises(ValueError, match="no parent"):
+        TreeSpec([(0,), (1, 0)])
+    with pytest.raises(ValueError, match="twice"):
+        TreeSpec([(0,), (0,)])
+    target = build_target("llama")
+    prompts = _prompts(2, (5,))
+    markov = SpeculativeEngine(target, build_drafter(target, "markov", False), max_len=96)
+    with pytest.raises(ValueError, match="DFlash drafter"):
+        markov.generate(prompts, max_new_tokens=5, tree=WIDE)
+    dflash = SpeculativeEngine(target, build_drafter(target, "dflash", False), max_len=96)
+    with pytest.raises(ValueError, match="greedy only"):
+        dflash.generate(prompts, max_new_tokens=5, tree=WIDE, do_sample=True)
+    too_deep = TreeSpec.chain(dflash.drafter.config.num_proposals + 1)
+    with pytest.raises(ValueError, match="proposes"):
+        dflash.generate(prompts, max_new_tokens=5, tree=too_deep)
+    with pytest.raises(ValueError, match="tree_nodes=12"):
+        dflash.generate(prompts, max_new_tokens=5, tree=WIDE, tree_nodes=12)
