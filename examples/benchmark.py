@@ -251,7 +251,8 @@ def main():
     def engine_for(name, d):  # built on first use, then shared by every dataset and batch size
         if name not in engines:
             k = d.config.block_size if d is not None else (args.lookup or 0) + 1
-            extra = trees[name].num_nodes if name in trees else 0
+            # a round writes only its verified rows: the largest tree size asked for ("all": the whole tree)
+            extra = max(m or trees[name].num_nodes for m in tree_sizes) if name in trees else 0
             engines[name] = make_engine(target, d, longest + args.max_new_tokens + 2 * k + extra, args.profile,
                                         args.cuda_graphs, args.compile)
         return engines[name]

@@ -165,7 +165,7 @@ def engine_mode(args):
                 tree = dict(drafter._eval_tree)
                 if "tree" in tree:  # a draft tree instead of the linear block (TreeSpec; N nodes per round or all)
                     tree["tree"] = TreeSpec.load(tree["tree"])
-                extra = tree["tree"].num_nodes if tree else 0
+                extra = (tree.get("tree_nodes") or tree["tree"].num_nodes) if tree else 0  # rows a round writes
                 engine = SpeculativeEngine(target, drafter,
                                            max_len=width + args.max_new_tokens + 2 * drafter.config.block_size + extra)
                 for i in range(0, len(rows), args.engine_batch):

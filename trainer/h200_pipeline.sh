@@ -604,8 +604,12 @@ tree)  # draft trees (hf_carryover/engine/tree.py) for the stashed drafters TREE
   #   tau    τ at T=0 on all 344 prompts (fp32, batched engine): per drafter the linear block and dynamic trees of
   #          TREE_NODES (default "31 63") nodes a round, each also with context lookup 15 (TAU_SECONDS box)
   #   speed  examples/benchmark.py, bf16, --compile --cuda_graphs, batch 1, TREE_LIMIT (10) prompts of MT-Bench and
-  #          HumanEval: engine_ar, engine, engine_lookup and engine_tree(_lookup) rows per drafter (SPEED_SECONDS box)
+  #          HumanEval: SPEED_METHODS (engine_ar, engine, engine_lookup and engine_tree(_lookup)) per drafter
+  #          (SPEED_SECONDS box; each compiled round shape costs about a minute the first time)
+  # TREE_DIR: where tau and speed read tree_<drafter>.json (default: this phase's calib output, e.g. a committed
+  # results folder instead); TAU_DATASETS (default all three); TAU_LINEAR=0 leaves out the linear and lookup rows.
   stamp=$(date +%H%M%S)
+  TD=${TREE_DIR:-$R}
   ready_target
   DR=(${TREE_DRAFTERS:-dflash-baseline dflash-carryover-gated})
   for step in ${TREE_STEPS:-calib tau speed}; do case $step in
@@ -619,23 +623,23 @@ tree)  # draft trees (hf_carryover/engine/tree.py) for the stashed drafters TREE
   tau)
     D=""
     for d in "${DR[@]}"; do
-      D="$D $d=$A/drafters/$d $d-lookup=$A/drafters/$d,lookup=15"
+      [ "${TAU_LINEAR:-1}" = 1 ] && D="$D $d=$A/drafters/$d $d-lookup=$A/drafters/$d,lookup=15"
       for n in ${TREE_NODES:-31 63}; do
-        D="$D $d-tree$n=$A/drafters/$d,tree=$R/tree_$d.json,tree_nodes=$n"
-        D="$D $d-tree$n-lookup=$A/drafters/$d,tree=$R/tree_$d.json,tree_nodes=$n,lookup=15"
+        D="$D $d-tree$n=$A/drafters/$d,tree=$TD/tree_$d.json,tree_nodes=$n"
+        D="$D $d-tree$n-lookup=$A/drafters/$d,tree=$TD/tree_$d.json,tree_nodes=$n,lookup=15"
       done
     done
     timeout ${TAU_SECONDS:-420} python3 examples/evaluate_tau.py --prompts_dir $A/prompts --dtype float32 --engine \
-      --engine_batch 128 --drafters $D --datasets mtbench humaneval sharegpt --temperatures 0 \
+      --engine_batch 128 --drafters $D --datasets ${TAU_DATASETS:-mtbench humaneval sharegpt} --temperatures 0 \
       --out $R/tau_tree-$stamp > $R/tau_tree-$stamp.log 2>&1 || log "tau stopped: $?"
     python3 examples/evaluate_tau.py --out $R/tau_tree-$stamp --summarize_only --drafters $(for e in $D; do echo ${e%%=*}=x; done) \
       | tail -40 || true
     flush ;;
   speed)
-    D=""; T=""; for d in "${DR[@]}"; do D="$D $d=$A/drafters/$d"; T="$T $d=$R/tree_$d.json"; done
-    timeout ${SPEED_SECONDS:-420} python3 examples/benchmark.py --drafters $D --tree $T --tree_nodes ${TREE_NODES:-31 63} \
+    D=""; T=""; for d in "${DR[@]}"; do D="$D $d=$A/drafters/$d"; T="$T $d=$TD/tree_$d.json"; done
+    timeout ${SPEED_SECONDS:-420} python3 examples/benchmark.py --drafters $D --tree $T --tree_nodes ${SPEED_NODES:-${TREE_NODES:-31 63}} \
       --lookup 15 --compile --cuda_graphs --batch_sizes 1 --limit ${TREE_LIMIT:-10} --prompts_dir $A/prompts \
-      --datasets mtbench humaneval --methods engine_ar engine engine_lookup engine_tree engine_tree_lookup \
+      --datasets mtbench humaneval --methods ${SPEED_METHODS:-engine_ar engine engine_lookup engine_tree engine_tree_lookup} \
       --out $R/speed-$stamp > $R/speed-$stamp.log 2>&1 || log "speed stopped: $?"
     tail -30 $R/speed-$stamp/bench.md 2>/dev/null || tail -20 $R/speed-$stamp.log
     flush ;;

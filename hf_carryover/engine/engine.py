@@ -523,9 +523,9 @@ class SpeculativeEngine:
                              f"{d.config.num_proposals} tokens a block.")
         if nodes is not None and not 1 <= int(nodes) <= tree.num_nodes:
             raise ValueError(f"tree_nodes={nodes}: choose between 1 and the tree's {tree.num_nodes} nodes.")
-        if longest + tree.num_nodes + 2 > self.max_len:
+        if longest + (nodes or tree.num_nodes) + 2 > self.max_len:  # a round writes only its N+1 verified rows
             raise ValueError(f"max_len={self.max_len} is too small for {longest} tokens + a tree of "
-                             f"{tree.num_nodes} nodes.")
+                             f"{nodes or tree.num_nodes} nodes.")
         return tree
 
     def _round_fn(self, do_sample, tree=None):

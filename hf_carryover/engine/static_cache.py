@@ -28,12 +28,11 @@ class TargetStaticCache:
 
     def __init__(self, num_layers, batch, kv_heads, max_len, head_dim, dtype, device, key_positions=None):
         self.is_sliding = [False] * num_layers  # read by transformers' mask helpers (5.17: one flag per layer)
-        # one tensor per K and V for all layers ([layers, b, kv_heads, max_len, head_dim]); the per-layer lists are views
-        # of it, so a tree round can move accepted rows in every layer with one gather and one scatter (`move`)
-        shape = (num_layers, batch, kv_heads, max_len, head_dim)
-        self.k_all = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_all = torch.zeros(shape, dtype=dtype, device=device)
-        self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
+        # one tensor per layer: views of one shared buffer would let a tree round move rows with one gather, but every
+        # in-place write to a view of a shared base is something a compiled round must track across all layers
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.positions: torch.Tensor | None = None
         self.max_len = max_len
         # key positions `arange(max_len)`, made once (no per-round arange); the engine passes its own `_steps`
@@ -48,10 +47,11 @@ class TargetStaticCache:
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V rows at slots `src` `[b, n]` to slots `dst` `[b, n]` (read all, then write all)."""
-        L, _, h, _, d = self.k_all.shape
-        for buf in (self.k_all, self.v_all):
-            rows = buf.gather(3, src[None, :, None, :, None].expand(L, -1, h, -1, d))  # [L, b, h, n, d]
-            buf.scatter_(3, dst[None, :, None, :, None].expand(L, -1, h, -1, d), rows)
+        _, h, _, d = self.k[0].shape
+        src = src[:, None, :, None].expand(-1, h, -1, d)  # [b, kv_heads, n, head_dim]
+        dst = dst[:, None, :, None].expand(-1, h, -1, d)
+        for buf in self.k + self.v:
+            buf.scatter_(2, dst, buf.gather(2, src))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are always passed explicitly
