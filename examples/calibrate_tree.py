@@ -45,9 +45,9 @@ def rank_paths(target, drafter, batch, ranks: int, depth: int):
     a_ok = anchors < (slen - 1)[:, None]
     hidden = draft_blocks(drafter, drafter, ids, feats, valid, anchors)  # [b, n, B, d]
     top = drafter.lm_logits(hidden[:, :, drafter.proposal_rows()][:, :, :depth]).topk(ranks, -1).indices  # [b,n,D,R]
-    pos = (anchors[:, :, None] + torch.arange(1, depth + 1, device=ids.device)).clamp(max=L - 1)  # [b, n, D]
-    labels = ids.gather(1, pos.flatten(1)).view(b, n, depth)
-    label_ok = pos < slen[:, None, None]
+    pos = anchors[:, :, None] + torch.arange(1, depth + 1, device=ids.device)  # [b, n, D]: positions of the labels
+    label_ok = pos < slen[:, None, None]  # before clamping: a clamped position would read a real but wrong token
+    labels = ids.gather(1, pos.clamp(max=L - 1).flatten(1)).view(b, n, depth)
     hit = top == labels[..., None]  # [b, n, D, R]
     found = hit.any(-1) & label_ok
     rank = hit.float().argmax(-1)  # [b, n, D]

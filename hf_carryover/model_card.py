@@ -99,9 +99,12 @@ def _table(summaries, rows, sources, key, what="", rounds="draft rounds") -> lis
     lines += [f"| {DATASETS.get(r['dataset'], (r['dataset'],))[0]} | {r['temperature']:g} | {r['prompts']} | "
               f"{r['rounds']} | {r['tau']:.2f} |" for _, r in rows]
     used = [s for s in summaries if any(s is u for u, _ in rows)]
-    for s in used:
-        temps = sorted({r["temperature"] for u, r in rows if u is s})
-        lead = "" if len(used) == 1 else "T=" + ", ".join(f"{t:g}" for t in temps) + ": "
+    temps = [tuple(sorted({r["temperature"] for u, r in rows if u is s})) for s in used]
+    for s, ts in zip(used, temps):
+        # files told apart by temperature (T=0, T=1 calls) say so; files with the same T also name their datasets
+        sets = sorted({DATASETS.get(r["dataset"], (r["dataset"],))[0] for u, r in rows if u is s})
+        lead = "" if len(used) == 1 else ("T=" + ", ".join(f"{t:g}" for t in ts)
+                                           + (" (" + ", ".join(sets) + ")" if temps.count(ts) > 1 else "") + ": ")
         lines.append(f"\n{lead}{_measured_line(s)}")
     if sources:
         lines.append(f"\nResults files{what} (hf_carryover repository): " + ", ".join(f"`{p}`" for p in sources)
@@ -118,16 +121,31 @@ def _lookup_tokens(summaries, key) -> int | None:
     return None
 
 
+def _tree_setting(summaries, key) -> str:
+    """`tree_nodes=N` (and `, lookup=M`) of `KEY=FOLDER,...` in the command that measured a tree row."""
+    for s in summaries:
+        m = re.search(rf"(?:^| ){re.escape(key)}=(\S*)", s.get("command", ""))
+        if m:
+            opts = dict(kv.split("=", 1) for kv in m.group(1).split(",")[1:] if "=" in kv)
+            text = f"tree_nodes={opts.get('tree_nodes', 'all')}"
+            return text + (f", prompt_lookup_num_tokens={opts['lookup']}" if "lookup" in opts else "")
+    raise ValueError(f"the tree results' commands have no `{key}=...` entry")
+
+
 def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: dict | list[dict] | None = None,
                      drafter_key: str | None = None, training_text: str = "",
                      sources: list[str] | None = None, lookup_summary: list[dict] | None = None,
-                     lookup_key: str | None = None, lookup_sources: list[str] | None = None) -> ModelCard:
+                     lookup_key: str | None = None, lookup_sources: list[str] | None = None,
+                     tree_summary: list[dict] | None = None, tree_keys: list[str] | None = None,
+                     tree_sources: list[str] | None = None) -> ModelCard:
     """Card for the drafter saved in `folder` (its config.json supplies the compatibility facts). `summary`: one
     results file or several (a run that measured T=0 and T=1 in separate calls); each row keeps its own command.
     `sources`: where those files are stored (repository paths); the card names them and `drafter_key`, so every τ on
     it can be traced to its file (the label a run gave the drafter need not be its folder name).
     `lookup_summary` / `lookup_key` / `lookup_sources`: the same drafter measured with context lookup
-    (`prompt_lookup_num_tokens=N`, N read from the command), shown as a second table and as `tau_lookup` metrics."""
+    (`prompt_lookup_num_tokens=N`, N read from the command), shown as a second table and as `tau_lookup` metrics.
+    `tree_summary` / `tree_keys` / `tree_sources`: the drafter in the fast engine with its draft tree (`draft_tree.json`),
+    one table per label (settings read from the command), as `tau_tree` metrics."""
     summaries = [] if summary is None else [summary] if isinstance(summary, dict) else list(summary)
     lookup_summaries = list(lookup_summary or [])
     cfg = json.loads((Path(folder) / "config.json").read_text())
@@ -136,12 +154,16 @@ def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: 
     n_lookup = _lookup_tokens(lookup_summaries, lookup_key) if lookup_rows else None
     if lookup_rows and n_lookup is None:
         raise ValueError(f"the lookup results' command has no `{lookup_key}=...,lookup=N` entry")
+    tree_summaries = list(tree_summary or [])
+    tree_tables = [(k, _rows(tree_summaries, k), _tree_setting(tree_summaries, k)) for k in tree_keys or []]
     evals = []
-    for kind, these in (("tau", rows), ("tau_lookup", lookup_rows)):
+    kinds = [("tau", rows, None), ("tau_lookup", lookup_rows, None)] + [("tau_tree", r, t) for _, r, t in tree_tables]
+    for kind, these, setting in kinds:
         for s, r in these:
             ds_name, ds_id = DATASETS.get(r["dataset"], (r["dataset"], r["dataset"]))
             label = ("τ (mean accepted length)" if kind == "tau"
-                     else f"τ with context lookup (prompt_lookup_num_tokens={n_lookup})")
+                     else f"τ with context lookup (prompt_lookup_num_tokens={n_lookup})" if kind == "tau_lookup"
+                     else f"τ with a draft tree, engine ({setting})")
             evals.append(EvalResult(task_type="text-generation", task_name="speculative decoding",
                                     dataset_type=ds_id, dataset_name=ds_name,
                                     dataset_args={"temperature": r["temperature"],
@@ -160,6 +182,13 @@ def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: 
                       "instead of the drafted block; the drafter drafts every other round. Lossless like drafting.\n"]
             lines += _table(lookup_summaries, lookup_rows, lookup_sources, lookup_key, " with context lookup",
                             "rounds (drafted or looked up)")
+        for key, these, setting in tree_tables:
+            lines += [f"\n### With a draft tree in the fast engine (`{setting}`)\n",
+                      "hf_carryover's engine verifies, each round, the nodes of this folder's `draft_tree.json` (calibrated "
+                      "on training responses) that the drafter finds likeliest, in one target forward (greedy only; "
+                      "`SpeculativeEngine.generate(..., tree=TreeSpec.from_pretrained(folder), tree_nodes=N)`). "
+                      "τ is tokens per verification. `generate()` verifies one linear block and cannot use it.\n"]
+            lines += _table(tree_summaries, these, tree_sources, key, " with a draft tree", "rounds")
         results = "\n".join(lines)
     else:
         results = "Not measured yet."

@@ -147,3 +147,58 @@ def test_tree_errors():
         dflash.generate(prompts, max_new_tokens=5, tree=too_deep)
     with pytest.raises(ValueError, match="tree_nodes=12"):
         dflash.generate(prompts, max_new_tokens=5, tree=WIDE, tree_nodes=12)
+
+
+def test_calibration_counts_every_anchor_like_a_one_anchor_draft():
+    """examples/calibrate_tree.py's batched rank paths (all anchors of padded responses in one forward) equal, anchor
+    by anchor, a draft of that one anchor on its own response; and the tree it keeps is prefix-closed."""
+    import collections
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from calibrate_tree import best_tree, calibrate
+
+    from hf_carryover.training.objectives import draft_blocks, target_pass
+
+    target, drafter, prompts, max_new, refs = _trained_setup("dflash", False, steps=30)
+    records = [{"input_ids": p + r, "prompt_len": len(p)} for p, r in zip(prompts, refs)]
+    records[1] = {**records[1], "input_ids": records[1]["input_ids"][:20]}  # a shorter one: padding in the batch
+    counts, anchors = calibrate(target, drafter, records, ranks=3, batch_size=3, log=lambda *_: None)
+    want, n = collections.Counter(), 0
+    P = drafter.config.num_proposals
+    for rec in records:
+        ids = torch.tensor([rec["input_ids"]])
+        ok = torch.ones_like(ids, dtype=torch.bool)
+        feats, _ = target_pass(target, drafter, ids, ok, need_logits=False)
+        for t in range(rec["prompt_len"], ids.shape[1] - 1):
+            hid = draft_blocks(drafter, drafter, ids, feats, ok, torch.tensor([[t]]))
+            top = drafter.lm_logits(hid[0, 0, drafter.proposal_rows()]).topk(3, -1).indices  # [P, 3]
+            path = []
+            for d in range(P):
+                if t + 1 + d >= ids.shape[1] or ids[0, t + 1 + d] not in top[d]:
+                    break
+                path.append(int((top[d] == ids[0, t + 1 + d]).nonzero()[0]))
+            n += 1
+            for d in range(1, len(path) + 1):
+                want[tuple(path[:d])] += 1
+    assert anchors == n and counts == want
+    kept = set(best_tree(counts, 10))
+    assert all(p[:-1] in kept for p in kept if len(p) > 1)
+    TreeSpec(kept)  # a valid tree
+
+
+def test_select_tree_keeps_the_chain_a_lookup_reaches():
+    """keep_chain=L keeps the rank-0 chain to depth L (where looked-up tokens go) even when the drafter scores it low,
+    fills the rest by score, and still returns a tree; L=0 changes nothing."""
+    D, R = 6, 3
+    full = TreeSpec([p for d in range(1, D + 1) for p in __import__("itertools").product(range(R), repeat=d)])
+    lp = torch.tensor([[0.4, 0.35, 0.25]] * D).log()[None].expand(2, -1, -1)  # unsure everywhere: shallow bushy tree
+    free = select_tree(full, lp, 8)
+    forced = select_tree(full, lp, 8, keep_chain=torch.tensor([6, 0]))
+    assert free["depth"][0].max() < 6 and forced["depth"][0].max() == 6
+    for r in range(2):
+        assert all(forced["parent"][r, i] < i for i in range(1, 9))
+    assert torch.equal(forced["depth"][1], free["depth"][1]) and torch.equal(forced["rank"][1], free["rank"][1])
+    chain = [i for i in range(9) if forced["main"][0, i]]
+    assert sorted(forced["depth"][0, chain].tolist()) == list(range(7))  # root + chain depths 1..6

@@ -85,3 +85,29 @@ def test_card_with_lookup_rows(tmp_path):
     with pytest.raises(ValueError, match="lookup=N"):
         write_model_card(tmp_path, name="tiny", repo_id="org/tiny", base_model="org/target", summary=[plain],
                          drafter_key="x", lookup_summary=[looked], lookup_key="x-lk")
+
+
+def test_card_with_tree_rows(tmp_path):
+    """Draft-tree rows: one table per label with the tree size (and lookup) read from the command, `tau_tree` metrics,
+    and a results-file line each; a label the commands do not name is refused."""
+    import pytest
+
+    tiny_drafter(tiny_target(), "dflash", carryover=False).save_pretrained(tmp_path)
+    cmd = "python examples/evaluate_tau.py --engine --drafters x=F x-t=F,tree=T.json,tree_nodes=63 x-tl=F,tree=T.json,tree_nodes=31,lookup=15"
+
+    def row(key, ds, tau):
+        return {f"{key}|{ds}|T=0.0": {"drafter": key, "dataset": ds, "temperature": 0.0, "prompts": 80, "rounds": 9,
+                                      "tau": tau}}
+
+    s = {"command": cmd, "max_new_tokens": 256, "environment": {"commit": "c0ffee0"},
+         "results": {**row("x", "mtbench", 2.0), **row("x-t", "mtbench", 3.1), **row("x-tl", "mtbench", 3.4)}}
+    path = write_model_card(tmp_path, name="tiny", repo_id="org/tiny", base_model="org/target", summary=[s],
+                            drafter_key="x", tree_summary=[s], tree_keys=["x-t", "x-tl"], tree_sources=["r/t.json"])
+    evals = ModelCard.load(path).data.eval_results
+    assert [(r.metric_type, r.metric_value) for r in evals] == [("tau", 2.0), ("tau_tree", 3.1), ("tau_tree", 3.4)]
+    text = path.read_text()
+    assert "(`tree_nodes=63`)" in text and "(`tree_nodes=31, prompt_lookup_num_tokens=15`)" in text
+    assert "Results files with a draft tree (hf_carryover repository): `r/t.json` (drafter `x-tl`)." in text
+    with pytest.raises(ValueError, match="x-none"):
+        write_model_card(tmp_path, name="tiny", repo_id="org/tiny", base_model="org/target", summary=[s],
+                         drafter_key="x", tree_summary=[s], tree_keys=["x-none"])

@@ -45,21 +45,22 @@ def test_card_tau_comes_from_a_results_file(folder):
     assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     metrics = [m for r in meta["model-index"][0]["results"] for m in r["metrics"]]
     # the card names its results files and the drafter's label in them (make_model_card.py --results --drafter_key,
-    # and --lookup_results --lookup_key for the rows measured with context lookup)
-    for kind, what in (("tau", ""), ("tau_lookup", " with context lookup")):
+    # --lookup_results --lookup_key for the rows measured with context lookup, --tree_results --tree_keys for the
+    # engine's draft-tree rows, one table per label)
+    for kind, what in (("tau", ""), ("tau_lookup", " with context lookup"), ("tau_tree", " with a draft tree")):
         card = sorted(m["value"] for m in metrics if m["type"] == kind)
-        found = re.search(rf"Results files{what} \(hf_carryover repository\): (.+) \(drafter `([^`]+)`\)\.", text)
-        if kind == "tau_lookup" and not found and not card:
-            continue  # no lookup rows on this card
+        found = re.findall(rf"Results files{what} \(hf_carryover repository\): (.+) \(drafter `([^`]+)`\)\.", text)
+        if kind != "tau" and not found and not card:
+            continue  # no rows of this kind on this card
         assert found, f"the card does not name its {kind} results files: regenerate it with trainer/make_model_card.py"
-        files, key = re.findall(r"`([^`]+)`", found.group(1)), found.group(2)
-        stored = set()
-        for f in files:
-            assert (ROOT / f).exists(), f"{folder.name}'s card names {f}, which is not in the repository"
-            for r in json.loads((ROOT / f).read_text())["results"].values():
-                if r["drafter"] == key:
-                    stored.add(round(r["tau"], 3))
-        assert len(card) == 6 and set(card) <= stored, (kind, card, sorted(stored))
+        stored = []
+        for names, key in found:
+            for f in re.findall(r"`([^`]+)`", names):
+                assert (ROOT / f).exists(), f"{folder.name}'s card names {f}, which is not in the repository"
+                stored += [round(r["tau"], 3) for r in json.loads((ROOT / f).read_text())["results"].values()
+                           if r["drafter"] == key]
+        assert card and sorted(card) == sorted(stored), (kind, card, sorted(stored))
+    assert len([m for m in metrics if m["type"] == "tau"]) == 6  # 3 datasets x T=0, T=1
 
 
 @pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.name)
@@ -71,3 +72,27 @@ def test_remote_code_matches_the_package(folder):
         shipped = (folder / name).read_text()
         assert shipped == (ROOT / "hf_carryover" / name).read_text(), (
             f"{folder.name}/{name} differs from hf_carryover/{name}: re-save the folder with save_pretrained")
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.name)
+def test_draft_tree_ships_and_fits_the_drafter(folder):
+    """Each DFlash drafter folder carries its calibrated draft tree, calibrated on training data (never on the
+    evaluation prompts) for this drafter's block, and it loads as the engine loads it."""
+    from hf_carryover.engine.tree import TreeSpec
+
+    cfg = json.loads((folder / "config.json").read_text())
+    if cfg["drafter_type"] != "dflash":
+        pytest.skip("trees need a DFlash drafter")
+    tree = TreeSpec.from_pretrained(folder)
+    meta = json.loads((folder / "draft_tree.json").read_text())
+    assert tree.max_depth <= cfg["block_size"] - 1 and tree.num_nodes >= 63
+    assert "train" in meta["data"] and not any(s in meta["data"] for s in ("mtbench", "humaneval", "eval", "heldout"))
+    counts = dict(zip(map(tuple, meta["paths"]), meta["counts"]))
+    assert all(counts[p[:-1]] >= c for p, c in counts.items() if len(p) > 1)  # a prefix is never rarer
+
+
+def test_tree_from_pretrained_names_a_missing_file(tmp_path):
+    from hf_carryover.engine.tree import TreeSpec
+
+    with pytest.raises(FileNotFoundError, match="calibrate_tree.py"):
+        TreeSpec.from_pretrained(tmp_path)

@@ -23,6 +23,9 @@ def main():
     p.add_argument("--lookup_results", nargs="+", help="summary.json file(s) measuring the drafter with context lookup "
                    "(an evaluate_tau.py spec `KEY=FOLDER,lookup=N`)")
     p.add_argument("--lookup_key", help="the drafter's label in --lookup_results")
+    p.add_argument("--tree_results", nargs="+", help="summary.json file(s) measuring the drafter with its draft tree "
+                   "in the engine (evaluate_tau.py --engine, NAME=FOLDER,tree=...,tree_nodes=N)")
+    p.add_argument("--tree_keys", nargs="+", help="the drafter's labels in --tree_results, one table each")
     args = p.parse_args()
     name = args.name or Path(args.folder).name
     summary = [json.loads(Path(f).read_text()) for f in args.results] if args.results else None
@@ -31,7 +34,9 @@ def main():
                             base_model=args.base_model, summary=summary, drafter_key=args.drafter_key,
                             training_text=training, sources=args.results,
                             lookup_summary=[json.loads(Path(f).read_text()) for f in args.lookup_results or []],
-                            lookup_key=args.lookup_key, lookup_sources=args.lookup_results)
+                            lookup_key=args.lookup_key, lookup_sources=args.lookup_results,
+                            tree_summary=[json.loads(Path(f).read_text()) for f in args.tree_results or []],
+                            tree_keys=args.tree_keys, tree_sources=args.tree_results)
     print(f"wrote {path}")
 
 

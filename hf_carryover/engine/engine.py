@@ -381,14 +381,17 @@ class SpeculativeEngine:
         k, steps, b = st.k, self._steps, st.b
         logits_d = self._draft_logits(st.dcache, st.anchor, st.anchor_pos, None, st.carry_pos, st.carry_valid[:, :0])
         lp, top = logits_d[:, : tree.max_depth].log_softmax(-1).topk(tree.max_rank, -1)  # [b, D, R] each
-        t = static_tree(tree, b, st.anchor.device) if nodes is None else select_tree(tree, lp, nodes)
-        depth = t["depth"]  # [b, N+1]
-        n = depth.shape[1]
-        tokens = node_tokens(top, t)  # [b, N]
         hit = None
         if lookup:
             look, n_look = st.look.clone(), st.n_look.clone()  # [b, k], [b]
             hit = n_look > 0
+        # a dynamic tree keeps the rank-0 chain as deep as the lookup reaches (its tokens go there, below)
+        t = static_tree(tree, b, st.anchor.device) if nodes is None else select_tree(
+            tree, lp, nodes, keep_chain=torch.where(hit, n_look, 0) if lookup else None)
+        depth = t["depth"]  # [b, N+1]
+        n = depth.shape[1]
+        tokens = node_tokens(top, t)  # [b, N]
+        if lookup:
             d1 = depth[:, 1:]
             use = t["main"][:, 1:] & hit[:, None] & (d1 <= n_look[:, None])  # [b, N]
             tokens = torch.where(use, look.gather(1, (d1 - 1).clamp(max=k - 1)), tokens)

@@ -22,6 +22,8 @@ makes the cache exactly what a linear verification of that path would have left.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 
@@ -66,6 +68,21 @@ class TreeSpec:
             raise ValueError(f"{path}: a draft-tree file needs a 'paths' list of rank paths")
         return cls(data["paths"])
 
+    @classmethod
+    def from_pretrained(cls, drafter_dir_or_repo, filename: str = "draft_tree.json", **hub_kwargs) -> "TreeSpec":
+        """The calibrated tree a drafter folder or Hub repo ships beside its weights (`filename`). Shipped drafters
+        carry one made by `examples/calibrate_tree.py` on training responses."""
+        path = Path(str(drafter_dir_or_repo))
+        if path.is_dir():
+            file = path / filename
+            if not file.is_file():
+                raise FileNotFoundError(f"{path} has no {filename}: make one with examples/calibrate_tree.py "
+                                        f"--drafter {path} --out {file}")
+            return cls.load(file)
+        from huggingface_hub import hf_hub_download
+
+        return cls.load(hf_hub_download(str(drafter_dir_or_repo), filename, **hub_kwargs))
+
     def __len__(self) -> int:
         return self.num_nodes
 
@@ -97,20 +114,27 @@ def static_tree(spec: TreeSpec, b: int, device) -> dict:
     return {name: v.expand(b, *v.shape) for name, v in t.items()}
 
 
-def select_tree(spec: TreeSpec, logprobs: torch.Tensor, nodes: int) -> dict:
+def select_tree(spec: TreeSpec, logprobs: torch.Tensor, nodes: int, keep_chain=None) -> dict:
     """Per-row trees of `nodes` nodes chosen from the superset `spec` by the drafter's own probabilities.
 
     logprobs `[b, D, R]`: log-probabilities of the drafter's top-R tokens at depths 1..D. A node's score is its path's
     log-probability under the drafter (sum over its ancestors' ranks; the positions of a DFlash block are drafted
     independently, so that is the product of the marginals); the best `nodes` are kept. A child never scores above
     its parent, so the kept set is a tree (ties go to the shallower node). This is the dynamic tree of EAGLE-2 with a
-    fixed node count, chosen on the device: per-row tensors as `static_tree` gives, and no host sync."""
+    fixed node count, chosen on the device: per-row tensors as `static_tree` gives, and no host sync.
+
+    keep_chain `[b]` (optional): per row, the depth to which the rank-0 chain is kept whatever it scores. A context
+    lookup puts its tokens there, and a looked-up continuation is often right far deeper than the drafter is sure of:
+    without this, a 15-token lookup would be cut to the few chain nodes the drafter's own scores keep."""
     t = spec.tensors(logprobs.device)
     b, R = logprobs.shape[0], logprobs.shape[2]
     depth, rank = t["depth"], t["rank"]
     node_lp = logprobs.flatten(1)[:, (depth[1:] - 1) * R + rank[1:]]  # [b, M]: each superset node's own step
     path_lp = node_lp @ t["anc"][1:, 1:].T.to(node_lp.dtype)  # [b, M]: summed over the node and its ancestors
     score = path_lp - 1e-4 * depth[1:]
+    if keep_chain is not None:  # forced chain nodes outrank every other node, shallow first (still a tree)
+        forced = t["main"][1:][None] & (depth[1:][None] <= keep_chain[:, None])  # [b, M]
+        score = torch.where(forced, 1e4 - depth[1:].to(score.dtype), score)
     keep = score.topk(min(nodes, spec.num_nodes), dim=1).indices.sort(1).values + 1  # [b, N]: superset ids, by depth
     sel = torch.cat([torch.zeros_like(keep[:, :1]), keep], 1)  # [b, N+1], root first
     local = torch.zeros(b, spec.num_nodes + 1, dtype=torch.long, device=sel.device)
