@@ -607,7 +607,8 @@ tree)  # draft trees (hf_carryover/engine/tree.py) for the stashed drafters TREE
   #          HumanEval: SPEED_METHODS (engine_ar, engine, engine_lookup and engine_tree(_lookup)) per drafter
   #          (SPEED_SECONDS box; each compiled round shape costs about a minute the first time)
   # TREE_DIR: where tau and speed read tree_<drafter>.json (default: this phase's calib output, e.g. a committed
-  # results folder instead); TAU_DATASETS (default all three); TAU_LINEAR=0 leaves out the linear and lookup rows.
+  # results folder instead); TAU_DATASETS (default all three); TAU_LINEAR=0 leaves out the linear and lookup rows,
+  # TREE_LOOKUP_ONLY=1 the tree rows without lookup.
   stamp=$(date +%H%M%S)
   TD=${TREE_DIR:-$R}
   ready_target
@@ -625,7 +626,7 @@ tree)  # draft trees (hf_carryover/engine/tree.py) for the stashed drafters TREE
     for d in "${DR[@]}"; do
       [ "${TAU_LINEAR:-1}" = 1 ] && D="$D $d=$A/drafters/$d $d-lookup=$A/drafters/$d,lookup=15"
       for n in ${TREE_NODES:-31 63}; do
-        D="$D $d-tree$n=$A/drafters/$d,tree=$TD/tree_$d.json,tree_nodes=$n"
+        [ "${TREE_LOOKUP_ONLY:-0}" = 1 ] || D="$D $d-tree$n=$A/drafters/$d,tree=$TD/tree_$d.json,tree_nodes=$n"
         D="$D $d-tree$n-lookup=$A/drafters/$d,tree=$TD/tree_$d.json,tree_nodes=$n,lookup=15"
       done
     done
