@@ -123,7 +123,9 @@ def test_two_processes_train_like_one_at_equal_global_batch(tmp_path, stage):
     def run(n_proc, per_device, out):
         # torchrun (gloo on CPU): `accelerate launch --cpu --num_processes 2` starts a single process here
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n_proc),
-               "--master_port", str(29600 + n_proc + 10 * stage), str(ROOT / "trainer" / "train.py"),
+               # HF_CARRYOVER_TEST_PORT_OFFSET: .ci/run runs two suites side by side, each with its own ports
+               "--master_port", str(29600 + int(os.environ.get("HF_CARRYOVER_TEST_PORT_OFFSET", 0)) + n_proc
+                                    + 10 * stage), str(ROOT / "trainer" / "train.py"),
                "--target", str(tmp_path / "target"), "--target_dtype", "float32",
                "--data_dir", str(data), "--init_from", str(init), "--stage", str(stage),
                "--carryover", "true" if stage == 2 else "false", "--num_anchors", "64", "--optim", "sgd",
