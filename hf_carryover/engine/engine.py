@@ -35,8 +35,10 @@ import torch
 
 from ..generation_carryover import accepted_as_generate_counts, batched_context_lookup, eos_tensor
 from .graphs import capture_round
+from .sampling import inverse_cdf, point_mass, running_mass
 from .static_cache import DrafterStaticCache, TargetStaticCache
-from .tree import TreeSpec, accept_tree, node_tokens, select_tree, static_tree, tree_mask, unique_children
+from .tree import (TreeSpec, accept_tree, check_tree, node_tokens, select_tree, static_tree, tree_mask,
+                   unique_children)
 
 
 def _is_cuda(device) -> bool:
@@ -451,7 +453,7 @@ class SpeculativeEngine:
             raise ValueError(f"max_len={self.max_len} is too small for prompts of {int(plen.max())} tokens + "
                              f"{max_new_tokens} new tokens + a block of {k}.")
         eos = eos_tensor(eos_token_id).to(dev)
-        tree = self._check_tree(tree, do_sample, int(plen.max()) + max_new_tokens, tree_nodes)
+        tree = check_tree(tree, self.drafter, do_sample, int(plen.max()) + max_new_tokens, self.max_len, tree_nodes)
         st = self._state(b, k, max_new_tokens, eos.numel(), dev, dtype)
 
         # prefill (eager: its width depends on the prompts): prompts left-aligned at position 0; positions past
@@ -507,29 +509,6 @@ class SpeculativeEngine:
         self.lookup_rounds = [[lk for x, lk in zip(row, lr) if x >= 0] for row, lr in zip(log, looked)]
         n_out = st.n_out.tolist()
         return [row[:n] for row, n in zip(st.out.tolist(), n_out)]
-
-    def _check_tree(self, tree, do_sample, longest, nodes=None):
-        """`tree` as a TreeSpec (or None), after checking that this engine and call can verify it."""
-        if tree is None:
-            return None
-        tree = tree if isinstance(tree, TreeSpec) else TreeSpec(tree)
-        d = self.drafter
-        if d is None or d.config.drafter_type != "dflash":
-            raise ValueError("tree verification needs a DFlash drafter: its block positions are drafted independently, "
-                             "so the top-ranked tokens of each position combine into a tree (a Markov drafter's "
-                             "proposals depend on the previous proposal).")
-        if do_sample:
-            raise ValueError("tree verification is greedy only (do_sample=False); sampled rounds verify the linear "
-                             "block.")
-        if tree.max_depth > d.config.num_proposals:
-            raise ValueError(f"draft tree of depth {tree.max_depth}: this drafter proposes "
-                             f"{d.config.num_proposals} tokens a block.")
-        if nodes is not None and not 1 <= int(nodes) <= tree.num_nodes:
-            raise ValueError(f"tree_nodes={nodes}: choose between 1 and the tree's {tree.num_nodes} nodes.")
-        if longest + (nodes or tree.num_nodes) + 2 > self.max_len:  # a round writes only its N+1 verified rows
-            raise ValueError(f"max_len={self.max_len} is too small for {longest} tokens + a tree of "
-                             f"{nodes or tree.num_nodes} nodes.")
-        return tree
 
     def _round_fn(self, do_sample, tree=None):
         """The compiled round where it applies (greedy or sampled; not when profiling: the clock's syncs would split
@@ -602,54 +581,10 @@ class _Clock:
             self.t = now
 
 
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One draw per row from unnormalised `probs` `[b, V]` with uniforms `u` `[b]` in [0, 1): the first index whose
-    cumulative mass exceeds u·total. It is a categorical draw like `torch.multinomial`, but from given uniforms,
-    so a compiled or captured round needs no Generator. The threshold stays below the total (the float product
-    can round up to it), so a zero-probability token is never chosen: its cumulative sum equals the previous one.
-    Precision: a token's chance is its interval in the float32 running sum (`running_mass`), off by at most two
-    roundings of that sum (about 1e-7 of the total), whatever the vocabulary size."""
-    cdf = running_mass(probs)  # [b, V]
-    total = cdf[:, -1:]
-    x = torch.minimum(u[:, None].float() * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, x, right=True)[:, 0]
-
-
-@torch.compiler.disable
-def running_mass(probs: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-    """Inclusive running sum of `probs` `[b, V]` along V in float32, adding in the same order on every launch.
-
-    Why not `probs.cumsum(-1)`: on CUDA a tensor with one row is scanned by CUB's decoupled look-back scan, whose
-    grouping of float additions depends on block timing, so the sums change in their last bits from launch to
-    launch (pytorch/pytorch#75240). Every boundary of 49152 tokens then moves a little, and a draw that lands in a
-    moved sliver picks the neighbouring token: on the H200 two eager runs of the same seeded sampled call parted
-    after 19-68 rounds (`trainer/gpu_replay_diff.py`). Here the sum is two scans of many short rows, which ATen runs
-    with its per-row kernels (a fixed order): the running sum inside chunks of `chunk` tokens, then the running sum
-    of the chunk totals (scanned as a `[b, n, 2]` tensor along dim 1, so it is not a one-row scan either).
-    A compiled round leaves this function to those ATen kernels (a graph break; a captured graph replays them like
-    any other): inductor's own one-row scan is a look-back scan too (pytorch/pytorch#190946), and on the H200 (torch
-    2.11) inductor failed to lower this function ("NotImplementedError: View"), so compiled sampled rounds fell back
-    to eager decoding."""
-    b, V = probs.shape
-    n = -(-V // chunk)
-    p = torch.nn.functional.pad(probs.float(), (0, n * chunk - V))  # [b, n*chunk]: zero mass past V
-    within = p.view(b, n, chunk).cumsum(-1)  # [b, n, chunk]: running sum inside each chunk
-    totals = within[..., -1]  # [b, n]
-    ends = torch.stack([totals, torch.zeros_like(totals)], -1).cumsum(1)[..., 0]  # [b, n]: sum through chunk j
-    starts = torch.cat([torch.zeros_like(ends[:, :1]), ends[:, :-1]], 1)  # [b, n]: sum before chunk j
-    return (within + starts[..., None]).view(b, n * chunk)[:, :V].contiguous()
-
-
-def point_mass(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The proposal distribution of looked-up tokens `[b, k]`: all mass on the token, `[b, k, vocab]` float32. A
-    scatter rather than `one_hot`, whose value checks would sync on some devices."""
-    return torch.zeros(*tokens.shape, vocab, device=tokens.device).scatter_(-1, tokens[..., None], 1.0)
-
-
 def predicted_speedup(tau: float, t_draft: float, t_verify: float, t_ar_step: float) -> float:
     """Latency model: tokens per second of speculative decoding over plain decoding,
     (τ / (T_draft + T_verify)) / (1 / T_ar_step); with T_ar_step ≈ T_verify it is τ·T_verify/(T_draft+T_verify)."""
     return tau * t_ar_step / (t_draft + t_verify)
 
 
-__all__ = ["SpeculativeEngine", "inverse_cdf", "predicted_speedup", "running_mass"]
+__all__ = ["SpeculativeEngine", "inverse_cdf", "point_mass", "predicted_speedup", "running_mass"]
