@@ -83,7 +83,8 @@ def best_tree(counts, nodes):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafter", required=True, help="a DFlash drafter folder")
-    p.add_argument("--data", required=True, help="folder(s) of recorded greedy responses (shard-*.jsonl), comma-separated")
+    p.add_argument("--data", required=True,
+                   help="folder(s) of recorded greedy responses (shard-*.jsonl), comma-separated")
     p.add_argument("--target", default="reference")
     p.add_argument("--responses", type=int, default=400, help="first N usable responses")
     p.add_argument("--nodes", type=int, default=512, help="nodes of the tree written")
@@ -107,7 +108,8 @@ def main(argv=None):
     counts, anchors = calibrate(target, drafter, records, args.ranks, batch_size=args.batch_size)
     paths = best_tree(counts, args.nodes)
     # expected tokens per round of the static tree made of the first n paths, on this data: 1 + Σ counts / anchors
-    expected = {n: 1 + sum(counts[q] for q in paths[:n]) / anchors for n in (15, 31, 63, 127, 255, 511) if n <= len(paths)}
+    expected = {n: 1 + sum(counts[q] for q in paths[:n]) / anchors
+                for n in (15, 31, 63, 127, 255, 511) if n <= len(paths)}
     chain = 1 + sum(counts[(0,) * d] for d in range(1, drafter.config.num_proposals + 1)) / anchors
     res = {"paths": [list(q) for q in paths], "counts": [counts[q] for q in paths], "anchors": anchors,
            "responses": len(records), "ranks": args.ranks, "drafter": args.drafter, "data": args.data,

@@ -144,8 +144,8 @@ def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: 
     it can be traced to its file (the label a run gave the drafter need not be its folder name).
     `lookup_summary` / `lookup_key` / `lookup_sources`: the same drafter measured with context lookup
     (`prompt_lookup_num_tokens=N`, N read from the command), shown as a second table and as `tau_lookup` metrics.
-    `tree_summary` / `tree_keys` / `tree_sources`: the drafter in the fast engine with its draft tree (`draft_tree.json`),
-    one table per label (settings read from the command), as `tau_tree` metrics."""
+    `tree_summary` / `tree_keys` / `tree_sources`: the drafter in the fast engine with its draft tree
+    (`draft_tree.json`), one table per label (settings read from the command), as `tau_tree` metrics."""
     summaries = [] if summary is None else [summary] if isinstance(summary, dict) else list(summary)
     lookup_summaries = list(lookup_summary or [])
     cfg = json.loads((Path(folder) / "config.json").read_text())
@@ -184,7 +184,8 @@ def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: 
                             "rounds (drafted or looked up)")
         for key, these, setting in tree_tables:
             lines += [f"\n### With a draft tree in the fast engine (`{setting}`)\n",
-                      "hf_carryover's engine verifies, each round, the nodes of this folder's `draft_tree.json` (calibrated "
+                      "hf_carryover's engine verifies, each round, the nodes of this folder's `draft_tree.json` "
+                      "(calibrated "
                       "on training responses) that the drafter finds likeliest, in one target forward (greedy only; "
                       "`SpeculativeEngine.generate(..., tree=TreeSpec.from_pretrained(folder), tree_nodes=N)`). "
                       "τ is tokens per verification. `generate()` verifies one linear block and cannot use it.\n"]

@@ -92,7 +92,8 @@ def _best_first(lp, n):
             heapq.heappush(heap, (neg - lp[len(path), 0].item(), path + (0,)))
         if path[-1] + 1 < R:
             d = len(path) - 1
-            heapq.heappush(heap, (neg + lp[d, path[-1]].item() - lp[d, path[-1] + 1].item(), path[:-1] + (path[-1] + 1,)))
+            sibling = path[:-1] + (path[-1] + 1,)
+            heapq.heappush(heap, (neg + lp[d, path[-1]].item() - lp[d, path[-1] + 1].item(), sibling))
     return set(out)
 
 

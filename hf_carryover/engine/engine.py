@@ -371,7 +371,7 @@ class SpeculativeEngine:
         st.flags.copy_(torch.stack([new_done.all(), all_look]))
 
     def _tree_round(self, st: DecodeState, tree: TreeSpec, lookup=0, nodes=None):
-        """One greedy round that verifies a static draft tree (`tree.py`) instead of the linear block, for all rows.
+        """One greedy round that verifies a draft tree (`tree.py`; static or chosen per row), not the linear block.
 
         The drafter drafts as usual (without carryover rows: their prefix is the rank-0 chain's, which the accepted
         path may leave inside the tree); the tree's nodes take its top-ranked tokens; with `lookup`, a row's

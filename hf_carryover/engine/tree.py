@@ -218,4 +218,5 @@ def accept_tree(tokens: torch.Tensor, valid: torch.Tensor, choice: torch.Tensor,
     return a, path, choice.gather(1, last[:, None])[:, 0]
 
 
-__all__ = ["TreeSpec", "accept_tree", "check_tree", "node_tokens", "select_tree", "static_tree", "tree_mask", "unique_children"]
+__all__ = ["TreeSpec", "accept_tree", "check_tree", "node_tokens", "select_tree", "static_tree", "tree_mask",
+           "unique_children"]
