@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -301,9 +302,11 @@ def main():
     if device == "cuda":
         methods.append(("hf_static_compile", lambda pr: hf(pr, cache_implementation="static")))
     if args.methods:
-        methods = [m for m in methods if m[0].split("@")[0].split(":")[0] in args.methods or m[0] in args.methods
-                   or (m[0].startswith("engine_tree") and m[0].split("@")[0].split(":")[0].rstrip("0123456789all")
-                       in args.methods)]
+        def names(row):  # "engine_tree_lookup63:d@1" -> its method, and for tree rows the kind without the size
+            base = row.split("@")[0].split(":")[0]
+            return {row, base, re.sub(r"(\d+|all)$", "", base) if base.startswith("engine_tree") else base}
+
+        methods = [m for m in methods if names(m[0]) & set(args.methods)]
 
     def measure(name, fn, dataset, prompts, **extra):
         # the host's 1-minute load average before and after: a batch-1 engine is launch-bound, so a busy host (a

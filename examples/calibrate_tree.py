@@ -30,14 +30,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_carryover.training.data import ResponseCollator, ResponseDataset  # noqa: E402
-from hf_carryover.training.objectives import draft_blocks, target_pass  # noqa: E402
+from hf_carryover.training.objectives import block_targets, draft_blocks, target_pass  # noqa: E402
 
 
 @torch.no_grad()
 def rank_paths(target, drafter, batch, ranks: int, depth: int):
     """Per anchor of every response in `batch` (collated): its accepted rank path as a tuple (may be empty)."""
     ids, plen, slen = batch["input_ids"], batch["prompt_len"], batch["seq_len"]
-    b, L = ids.shape
+    L = ids.shape[1]
     valid = torch.arange(L, device=ids.device)[None] < slen[:, None]
     feats, _ = target_pass(target, drafter, ids, valid, need_logits=False)
     n = int((slen - plen).max()) - 1  # anchors per row: positions prompt_len .. seq_len-2
@@ -45,9 +45,7 @@ def rank_paths(target, drafter, batch, ranks: int, depth: int):
     a_ok = anchors < (slen - 1)[:, None]
     hidden = draft_blocks(drafter, drafter, ids, feats, valid, anchors)  # [b, n, B, d]
     top = drafter.lm_logits(hidden[:, :, drafter.proposal_rows()][:, :, :depth]).topk(ranks, -1).indices  # [b,n,D,R]
-    pos = anchors[:, :, None] + torch.arange(1, depth + 1, device=ids.device)  # [b, n, D]: positions of the labels
-    label_ok = pos < slen[:, None, None]  # before clamping: a clamped position would read a real but wrong token
-    labels = ids.gather(1, pos.clamp(max=L - 1).flatten(1)).view(b, n, depth)
+    labels, label_ok, _, _ = block_targets(ids, slen, anchors, a_ok, depth)  # [b, n, D]: the training labels' rule
     hit = top == labels[..., None]  # [b, n, D, R]
     found = hit.any(-1) & label_ok
     rank = hit.float().argmax(-1)  # [b, n, D]

@@ -112,24 +112,28 @@ def _table(summaries, rows, sources, key, what="", rounds="draft rounds") -> lis
     return lines
 
 
+def _spec_options(summaries, key) -> dict | None:
+    """The options of the drafter spec `KEY=FOLDER,opt=value,...` in the first command that names KEY, or None."""
+    for s in summaries:
+        m = re.search(rf"(?:^| ){re.escape(key)}=(\S*)", s.get("command", ""))
+        if m:
+            return dict(kv.split("=", 1) for kv in m.group(1).split(",")[1:] if "=" in kv)
+    return None
+
+
 def _lookup_tokens(summaries, key) -> int | None:
     """The N of `KEY=FOLDER,...,lookup=N` in the command that measured the lookup rows."""
-    for s in summaries:
-        m = re.search(rf"(?:^| ){re.escape(key)}=\S*,lookup=(\d+)", s.get("command", ""))
-        if m:
-            return int(m.group(1))
-    return None
+    m = re.match(r"\d+", (_spec_options(summaries, key) or {}).get("lookup", ""))
+    return int(m.group()) if m else None
 
 
 def _tree_setting(summaries, key) -> str:
     """`tree_nodes=N` (and `, lookup=M`) of `KEY=FOLDER,...` in the command that measured a tree row."""
-    for s in summaries:
-        m = re.search(rf"(?:^| ){re.escape(key)}=(\S*)", s.get("command", ""))
-        if m:
-            opts = dict(kv.split("=", 1) for kv in m.group(1).split(",")[1:] if "=" in kv)
-            text = f"tree_nodes={opts.get('tree_nodes', 'all')}"
-            return text + (f", prompt_lookup_num_tokens={opts['lookup']}" if "lookup" in opts else "")
-    raise ValueError(f"the tree results' commands have no `{key}=...` entry")
+    opts = _spec_options(summaries, key)
+    if opts is None:
+        raise ValueError(f"the tree results' commands have no `{key}=...` entry")
+    text = f"tree_nodes={opts.get('tree_nodes', 'all')}"
+    return text + (f", prompt_lookup_num_tokens={opts['lookup']}" if "lookup" in opts else "")
 
 
 def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: dict | list[dict] | None = None,

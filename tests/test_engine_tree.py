@@ -4,18 +4,13 @@ a wider tree accepts at least as much per round, the K/V move, and clear errors.
 import pytest
 import torch
 from conftest import build_drafter, build_target
-from test_engine import _greedy_refs, _trained_setup
+from test_engine import _greedy_refs, _prompts, _trained_setup
 
 from hf_carryover.engine.engine import SpeculativeEngine
 from hf_carryover.engine.static_cache import TargetStaticCache
 from hf_carryover.engine.tree import TreeSpec, accept_tree, select_tree, static_tree
 
 WIDE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0), (0, 0, 1)]
-
-
-def _prompts(seed, lengths):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 90, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
