@@ -69,7 +69,10 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     runs = load(args.raw)
-    res = {"command": " ".join(["python"] + sys.argv), "pairs": {}}
+    from evaluate_tau import environment  # this folder is on sys.path (compare_rounds is imported from it too)
+
+    res = {"command": " ".join(["python", Path(sys.argv[0]).as_posix()] + (argv or sys.argv[1:])),
+           "environment": environment(), "pairs": {}}
     for spec in args.pair:
         a, _, b = spec.partition(":")
         missing = [n for n in (a, b) if n not in runs]

@@ -370,7 +370,9 @@ def test_paired_tau(tmp_path):
                            for n, ds, i, acc in recs))
     out = tmp_path / "paired.json"
     paired_tau.main(["--raw", str(raw), "--pair", "a:b", "--out", str(out)])
-    r = json.loads(out.read_text())["pairs"]["a:b"]
+    saved = json.loads(out.read_text())
+    assert {"commit", "gpu", "torch", "transformers"} <= set(saved["environment"])  # who measured, with what
+    r = saved["pairs"]["a:b"]
     assert r["all"]["prompts"] == 2 and r["all"]["mean_diff"] == pytest.approx(0.25)
     assert r["all"]["se"] == pytest.approx(0.75)  # diffs +1 and -0.5: sd 1.0607, / sqrt(2)
     assert r["all"]["tau_a"] == pytest.approx(5 / 3) and r["all"]["tau_b"] == pytest.approx(5 / 4)
