@@ -4,9 +4,9 @@ Why it pays for a block drafter: a DFlash drafter gives, from one forward, a dis
 that does not depend on the tokens proposed before it (the block is `[anchor, mask, ...]`). Its top-ranked
 alternatives are therefore free, and a tree whose nodes are "the rank-r token at depth d" (Medusa-style static
 tree over ranks) covers the places where the top-1 chain usually breaks (the first one or two positions) at the
-price of more verified tokens. For a small target at batch 1 the verify forward costs about the same for 16 or 64
-tokens (it is bound by kernel launches, not arithmetic), so more accepted tokens per verification is nearly free
-speed. The tree's shape is fixed per call (a list of rank paths), so every round has the same shapes and runs as
+price of more verified tokens. For a small target at batch 1 the verify forward should cost about the same for 16
+or 64 tokens (it is bound by kernel launches, not arithmetic), so more accepted tokens per verification is nearly
+free speed (on the H200, 63-node trees ran as fast as 31-node ones: `examples/results/h200-2026-12-01e/`). The tree's shape is fixed per call (a list of rank paths), so every round has the same shapes and runs as
 one CUDA graph like the linear rounds.
 
 Vocabulary: node 0 is the root (the anchor, the last committed token); node i >= 1 is the rank path
