@@ -249,19 +249,23 @@ def main():
                 trees[n] = TreeSpec.load(path)
     tree_sizes = [None if n == "all" else int(n) for n in args.tree_nodes]
 
-    def engine_for(name, d):  # built on first use, then shared by every dataset and batch size
-        if name not in engines:
+    def engine_for(name, d, tree=False):  # built on first use, then shared by every dataset and batch size
+        # tree rows get an engine of their own: their caches need room for the largest tree asked for ("all": the
+        # whole tree; a round writes its verified rows), and on the H200 linear rounds read 10-20 % slower with
+        # those longer caches (examples/results/h200-2026-12-01f), so the linear rows keep the length they need
+        key = (name, tree)
+        if key not in engines:
             k = d.config.block_size if d is not None else (args.lookup or 0) + 1
-            # a round writes only its verified rows: the largest tree size asked for ("all": the whole tree)
-            extra = max(m or trees[name].num_nodes for m in tree_sizes) if name in trees else 0
-            engines[name] = make_engine(target, d, longest + args.max_new_tokens + 2 * k + extra, args.profile,
-                                        args.cuda_graphs, args.compile)
-        return engines[name]
+            extra = max(m or trees[name].num_nodes for m in tree_sizes) if tree else 0
+            engines[key] = make_engine(target, d, longest + args.max_new_tokens + 2 * k + extra, args.profile,
+                                       args.cuda_graphs, args.compile)
+        return engines[key]
 
     T = args.temperature
     hf = lambda pr, **kw: run_hf(target, pr, args.max_new_tokens, temperature=T, **kw)  # noqa: E731
-    def eng(name, d, pr, b, lookup=None, skip=True, **tree_kw):  # one engine per drafter: rows with and without lookup
-        return run_engine(engine_for(name, d), pr, args.max_new_tokens, b, eos, T, lookup, skip, **tree_kw)
+    def eng(name, d, pr, b, lookup=None, skip=True, **tree_kw):  # one engine per drafter (and one for its tree rows)
+        return run_engine(engine_for(name, d, "tree" in tree_kw), pr, args.max_new_tokens, b, eos, T, lookup, skip,
+                          **tree_kw)
 
     # fastest first: when a time box cuts the run, the engine rows and the HF baselines exist already
     methods = [(f"engine_ar@{b}", lambda pr, b=b: eng(None, None, pr, b)) for b in args.batch_sizes]

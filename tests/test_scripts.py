@@ -29,16 +29,20 @@ def test_benchmark_script_tiny(tmp_path):
     prompts.mkdir()
     (prompts / "mtbench.jsonl").write_text("".join(json.dumps({"id": i, "input_ids": q}) + "\n"
                                                    for i, q in enumerate(prompts_ids)))
+    tree = tmp_path / "tree.json"  # a small static tree: two ranks at depth 1, the rank-0 chain to the block's depth 3
+    tree.write_text(json.dumps({"paths": [[0], [1], [0, 0], [1, 0], [0, 0, 0]]}))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(ROOT / "examples" / "benchmark.py"), "--target", "tiny", "--drafters",
            f"m={tmp_path / 'drafter'}", f"p={tmp_path / 'plain'}", "--datasets", "mtbench", "--prompts_dir", str(prompts), "--limit", "3",
-           "--max_new_tokens", "12", "--batch_sizes", "1", "3", "--profile", "--cuda_graphs", "--lookup", "4", "--out",
-           str(tmp_path / "out")]
+           "--max_new_tokens", "12", "--batch_sizes", "1", "3", "--profile", "--cuda_graphs", "--lookup", "4",
+           "--tree", f"p={tree}", "--tree_nodes", "3", "all", "--out", str(tmp_path / "out")]
     subprocess.run(cmd, check=True, env=env, capture_output=True, cwd=tmp_path)
     summary = json.loads((tmp_path / "out" / "bench.json").read_text())
     methods = {r["method"] for r in summary["results"]}
     assert {"hf_eager", "hf_prompt_lookup", "hf_spec:m", "engine_ar@1", "engine_ar@3", "engine:m@1", "engine:m@3",
-            "hf_own_dflash:m", "hf_spec_lookup:m", "engine_lookup:m@1", "engine_lookup:m@3", "engine_pld@1"} <= methods
+            "hf_own_dflash:m", "hf_spec_lookup:m", "engine_lookup:m@1", "engine_lookup:m@3", "engine_pld@1",
+            "engine_tree3:p@1", "engine_treeall:p@3", "engine_tree_lookup3:p@1", "engine_tree_lookupall:p@3"} <= methods
+    assert not any(m.startswith("engine_tree") and not m.endswith(("p@1", "p@3")) for m in methods)  # p's tree only
     assert all(r["tokens"] == 36 for r in summary["results"])  # 3 prompts x 12 tokens, eos never hit
     # each row's whole cost (warm-up and first-use build included) is at least its timed part
     assert all(r["row_wall_s"] >= round(r["seconds"], 1) - 0.1 for r in summary["results"]), summary["results"]
