@@ -251,7 +251,7 @@ def main():
 
     def engine_for(name, d, tree=False):  # built on first use, then shared by every dataset and batch size
         # tree rows get an engine of their own: their caches need room for the largest tree asked for ("all": the
-        # whole tree; a round writes its verified rows), and on the H200 linear rounds read 10-20 % slower with
+        # whole tree; a round writes its verified rows), and on the H200 linear rounds read 8-18 % slower with
         # those longer caches (examples/results/h200-2026-12-01f), so the linear rows keep the length they need
         key = (name, tree)
         if key not in engines:

@@ -34,6 +34,19 @@ def test_greedy_batch_equals_plain_greedy(arch, typ, carryover):
     assert engine.generate(prompts, max_new_tokens=23) == refs
 
 
+def test_max_len_rounds_up_to_aligned_caches_and_still_bounds_the_call():
+    target = build_target("llama")
+    engine = SpeculativeEngine(target, build_drafter(target, "dflash", True), max_len=70)
+    assert engine.max_len == engine_mod.MAX_LEN_ALIGN * 2  # 70 -> 128: room is only ever added
+    prompts = [[5, 9, 3]]
+    out = engine.generate(prompts, max_new_tokens=100)  # 3 + 100 + a block: past 70, within 128
+    assert out == _greedy_refs(target, prompts, 100)
+    target_cache, drafter_cache = engine._caches[1]
+    assert target_cache.k[0].shape[2] == drafter_cache.keys[0].shape[2] == 128
+    with pytest.raises(ValueError, match="max_len=128 is too small"):
+        engine.generate(prompts, max_new_tokens=125)
+
+
 @pytest.mark.parametrize("typ", ["dflash", "markov"])
 def test_eos_mid_block_per_row(typ):
     target = build_target("llama")
