@@ -21,6 +21,8 @@ Methods (each skipped with a recorded reason when it cannot run here):
                       (N = "all": the whole tree, static); greedy, DFlash drafters; with --lookup also
                       engine_tree_lookup<N>:<name> (looked-up tokens on the tree's rank-0 chain)
   hf_spec_lookup:<name> (--lookup N) generate(assistant_model=drafter, prompt_lookup_num_tokens=N)
+  hf_spec_tree<N>:<name>, hf_spec_tree_lookup<N>:<name> (--tree ...) generate(assistant_model=drafter) after
+                      drafter.use_draft_tree(FILE, N): greedy calls verify draft trees on the engine, one prompt a call
   hf_spec_dynamic:<name>, hf_spec_lookup_dynamic:<name> (CUDA only) the same with `drafter.static_rounds = False`: the
                       drafter's part of a round eager on dynamic shapes, as before static rounds (CUDA graphs) existed
 Engine rows record `mode`: how the engine ran ("eager", "cuda_graph", or why graphs were not used).
@@ -90,13 +92,16 @@ def sampling_kwargs(temperature):
     return {"do_sample": True, "temperature": float(temperature), "top_k": 0, "top_p": 1.0}
 
 
-def run_hf(target, prompts, max_new, temperature=0.0, static_rounds=None, **kw):
+def run_hf(target, prompts, max_new, temperature=0.0, static_rounds=None, tree=None, **kw):
     """generate() one prompt at a time. τ: from our generator's recorded rounds (hf_spec), or, for loops that
     record nothing (transformers' own DFlash path), from the number of target forwards: every forward after
     the prefill is one verification round, so τ = (new tokens - 1) / (forwards - 1) (the prefill's token
-    excluded, as in our rounds; a round cut by max_new_tokens counts its emitted tokens only)."""
+    excluded, as in our rounds; a round cut by max_new_tokens counts its emitted tokens only).
+    tree=(TreeSpec, nodes): the drafter verifies draft trees for this row (`drafter.use_draft_tree`)."""
     n_tok, secs, taus = 0, 0.0, []
     drafter = kw.get("assistant_model")
+    if tree is not None:
+        drafter.use_draft_tree(*tree)
     own_loop = kw.get("speculation_type") is not None
     calls = [0]
     hook = target.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) if own_loop else None
@@ -131,11 +136,14 @@ def run_hf(target, prompts, max_new, temperature=0.0, static_rounds=None, **kw):
             hook.remove()
         if drafter is not None:
             drafter.static_rounds = None
+            drafter.use_draft_tree(None)
     tau = sum(taus) / len(taus) if taus else (fwd_tokens / fwd_rounds if fwd_rounds > 0 else None)
     mode = {}
     if drafter is not None and not own_loop:
-        st = drafter.last_candidate_generator.static
-        mode = {"mode": "dynamic" if st is None else "static+cuda_graphs" if st.graphs else "static (eager)"}
+        gen = drafter.last_candidate_generator
+        st = gen.static
+        mode = {"mode": f"tree on the engine ({gen.mode})" if tree is not None else
+                "dynamic" if st is None else "static+cuda_graphs" if st.graphs else "static (eager)"}
     return {"tokens": n_tok, "seconds": secs, "tok_per_s": n_tok / secs, "tau": tau,
             **({"tau_from": "target forward count"} if own_loop else {}), **mode}
 
@@ -291,6 +299,13 @@ def main():
         methods += [(f"hf_spec_lookup:{n}",
                      lambda pr, d=d: hf(pr, assistant_model=d, prompt_lookup_num_tokens=args.lookup))
                     for n, d in drafters.items()]
+    if trees:  # generate() verifying draft trees (drafter.use_draft_tree), on the engine, one prompt at a time
+        for lk in (None, args.lookup) if args.lookup else (None,):
+            kind = "hf_spec_tree_lookup" if lk else "hf_spec_tree"
+            methods += [(f"{kind}{'all' if m is None else m}:{n}",
+                         lambda pr, d=d, n=n, m=m, lk=lk: hf(pr, assistant_model=d, tree=(trees[n], m),
+                                                             **({"prompt_lookup_num_tokens": lk} if lk else {})))
+                        for n, d in tree_drafters.items() for m in tree_sizes]
     if device == "cuda":  # the same rows with the drafter's part eager on dynamic shapes (before static rounds)
         methods += [(f"hf_spec_dynamic:{n}", lambda pr, d=d: hf(pr, assistant_model=d, static_rounds=False))
                     for n, d in drafters.items()]

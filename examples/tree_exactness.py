@@ -7,6 +7,8 @@
 The unit tests check exactness on tiny random models; this runs the shipped drafter and its calibrated tree on the
 reference target (fp32, eager), where trees are deep and accepted paths long, against `target.generate(do_sample=
 False)` (transformers' own greedy loop, an independent reference). It records τ of each setting beside the verdict.
+With --generate every setting runs through `target.generate(assistant_model=drafter)` instead, one prompt a call
+(trees via `drafter.use_draft_tree`, which hands greedy calls to the engine's tree rounds).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def main(argv=None):
     p.add_argument("--limit", type=int, default=4)
     p.add_argument("--max_new_tokens", type=int, default=96)
     p.add_argument("--lookup", type=int, default=15)
+    p.add_argument("--generate", action="store_true", help="run each setting through target.generate(assistant_model"
+                   "=drafter), one prompt a call, instead of the batched engine")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -59,11 +63,30 @@ def main(argv=None):
                      (f"tree{n}+lookup", {"tree": tree, "tree_nodes": n, "prompt_lookup_num_tokens": args.lookup})]
     res = {"command": " ".join(["python", Path(sys.argv[0]).as_posix()] + (argv or sys.argv[1:])),
            "environment": environment(), "prompts": len(prompts), "dtype": "float32", "settings": {}}
+    res["through"] = "generate()" if args.generate else "engine"
+
+    def through_generate(kw):  # -> (outputs, τ over all rounds)
+        drafter.use_draft_tree(kw.get("tree"), kw.get("tree_nodes"))
+        outs, taus = [], []
+        for q in prompts:
+            x = torch.tensor([q], device=device)
+            y = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.max_new_tokens,
+                                do_sample=False, eos_token_id=eos, assistant_model=drafter,
+                                prompt_lookup_num_tokens=kw.get("prompt_lookup_num_tokens"))
+            outs.append(y[0, len(q):].tolist())
+            taus += [r["accepted"] + 1 for r in drafter.last_candidate_generator.rounds]
+        drafter.use_draft_tree(None)
+        return outs, sum(taus) / len(taus)
+
     for name, kw in settings:
-        out = engine.generate(prompts, max_new_tokens=args.max_new_tokens, eos_token_id=eos, **kw)
+        if args.generate:
+            out, tau = through_generate(kw)
+        else:
+            out = engine.generate(prompts, max_new_tokens=args.max_new_tokens, eos_token_id=eos, **kw)
+            tau = engine.tau
         same = [o == r for o, r in zip(out, refs)]
-        res["settings"][name] = {"identical_to_greedy": sum(same), "of": len(same), "tau": engine.tau}
-        print(f"{name}: {sum(same)}/{len(same)} identical to plain greedy, τ {engine.tau:.3f} "
+        res["settings"][name] = {"identical_to_greedy": sum(same), "of": len(same), "tau": tau}
+        print(f"{name}: {sum(same)}/{len(same)} identical to plain greedy, τ {tau:.3f} "
               f"({time.time() - t0:.0f}s)", flush=True)
     res["all_identical"] = all(v["identical_to_greedy"] == v["of"] for v in res["settings"].values())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

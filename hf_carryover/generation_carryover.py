@@ -12,11 +12,13 @@ that transformers' own cropping at EOS or `max_length` cannot desynchronise the 
 `GenerationMixin._get_candidate_generator` has no registry, so `install_generate_hook()` wraps it once
 (idempotently, across any number of copies of this module) and dispatches on the *instance method*
 `assistant_model.make_candidate_generator`; `enable(target)` does the same for one target only.
-Set `HF_CARRYOVER_NO_HOOK=1` to skip the import-time wrap and use `enable` instead.
+Set `HF_CARRYOVER_NO_HOOK=1` to skip the import-time wrap and use `enable` instead. A drafter given a draft tree
+(`drafter.use_draft_tree()`) also needs `_assisted_decoding` wrapped, which only the class-level hook does.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import types
 import warnings
@@ -469,8 +471,36 @@ def _dispatch(original):
     return _get_candidate_generator
 
 
+def _dispatch_trees(original):
+    """`_assisted_decoding` for a drafter with `use_draft_tree(...)` set: greedy single-prompt calls run the
+    package's tree rounds (`hf_carryover.engine.hf_generate`); any other call keeps transformers' loop (linear
+    blocks), with one warning naming what stood in the way."""
+    sig = inspect.signature(original)
+
+    def _assisted_decoding(self, *args, **kwargs):
+        a = sig.bind(self, *args, **kwargs).arguments
+        drafter = a.get("assistant_model")
+        if getattr(drafter, "_is_carryover_drafter", False) and getattr(drafter, "draft_tree", None) is not None:
+            from hf_carryover.engine.hf_generate import tree_blockers, tree_generate
+
+            extra = a.get("model_kwargs", {})
+            why = tree_blockers(drafter, a["input_ids"], a["generation_config"], a.get("logits_processor"),
+                                a.get("stopping_criteria"), a.get("streamer"), a.get("synced_gpus", False),
+                                extra.get("attention_mask"))
+            if not why:
+                drafter.bind_target(self)
+                return tree_generate(self, drafter, a["input_ids"], a["generation_config"])
+            warnings.warn("draft tree not used for this generate() call (" + "; ".join(why) + "): it verifies "
+                          "linear blocks", stacklevel=4)
+        return original(self, *args, **kwargs)
+
+    setattr(_assisted_decoding, _HOOK_MARK, True)
+    return _assisted_decoding
+
+
 def install_generate_hook(force: bool = False) -> bool:
-    """Wrap `GenerationMixin._get_candidate_generator` once so `generate(assistant_model=drafter)` works.
+    """Wrap `GenerationMixin._get_candidate_generator` once so `generate(assistant_model=drafter)` works, and
+    `_assisted_decoding` so a drafter with a draft tree (`use_draft_tree`) verifies trees.
 
     Returns True if the wrap is in place. Idempotent even when several copies of this module exist
     (the package and a remote-code copy), because the mark is on the wrapped function itself.
@@ -480,7 +510,16 @@ def install_generate_hook(force: bool = False) -> bool:
     current = GenerationMixin._get_candidate_generator
     if not getattr(current, _HOOK_MARK, False):
         GenerationMixin._get_candidate_generator = _dispatch(current)
+    current = GenerationMixin._assisted_decoding
+    if not getattr(current, _HOOK_MARK, False):
+        GenerationMixin._assisted_decoding = _dispatch_trees(current)
     return True
+
+
+def tree_hook_installed() -> bool:
+    """generate() looks `_assisted_decoding` up on the class, so draft trees need the class-level hook (not the
+    per-target `enable`)."""
+    return getattr(GenerationMixin._assisted_decoding, _HOOK_MARK, False)
 
 
 def enable(target):
@@ -493,5 +532,6 @@ def enable(target):
 
 
 __all__ = ["CarryoverCandidateGenerator", "StaticDraftRound", "static_draft_round", "install_generate_hook", "enable",
+           "tree_hook_installed",
            "eos_tensor", "drafts_through_eos",
            "accepted_as_generate_counts", "batched_context_lookup", "context_lookup"]

@@ -49,7 +49,7 @@ Loading the drafter's code (`trust_remote_code=True`) hooks `generate()` so that
 runs the block drafter; transformers >= 5.17 is required. Batch size 1 (transformers' assisted decoding).
 Adding `prompt_lookup_num_tokens=15` lets rounds whose context ends in a 3- or 4-gram seen earlier copy what followed
 it instead of drafting (context lookup; lossless like drafting). It pays where the target repeats itself. On a CPU,
-where every verified row costs, `num_assistant_tokens=4` shortens drafted rounds only (lookups still copy up to 15).
+where every verified row costs, `num_assistant_tokens=4` shortens drafted rounds only (lookups still copy up to 15).{tree_text}
 
 ## Target compatibility
 
@@ -79,9 +79,14 @@ Measured τ depends on the prompt domain and on sampling temperature; speed also
 """
 
 
-def _rows(summaries: list[dict], drafter_key: str) -> list[tuple[dict, dict]]:
-    """(summary, row) for every row of the drafter, in file order (e.g. a T=0 file, then a T=1 file)."""
-    return [(s, r) for s in summaries for r in s.get("results", {}).values() if r["drafter"] == drafter_key]
+def _rows(summaries: list[dict], drafter_key: str, latest: bool = False) -> list[tuple[dict, dict]]:
+    """(summary, row) for every row of the drafter, in file order (e.g. a T=0 file, then a T=1 file). latest=True:
+    a later file's row for the same dataset and temperature replaces an earlier one's (a re-measurement)."""
+    rows = [(s, r) for s in summaries for r in s.get("results", {}).values() if r["drafter"] == drafter_key]
+    if latest:
+        last = {(r["dataset"], r["temperature"]): i for i, (_, r) in enumerate(rows)}
+        rows = [sr for i, sr in enumerate(rows) if last[(sr[1]["dataset"], sr[1]["temperature"])] == i]
+    return rows
 
 
 def _measured_line(summary: dict) -> str:
@@ -106,8 +111,9 @@ def _table(summaries, rows, sources, key, what="", rounds="draft rounds") -> lis
         lead = "" if len(used) == 1 else ("T=" + ", ".join(f"{t:g}" for t in ts)
                                            + (" (" + ", ".join(sets) + ")" if temps.count(ts) > 1 else "") + ": ")
         lines.append(f"\n{lead}{_measured_line(s)}")
-    if sources:
-        lines.append(f"\nResults files{what} (hf_carryover repository): " + ", ".join(f"`{p}`" for p in sources)
+    if sources:  # the files these rows came from (`sources` is parallel to `summaries`)
+        named = [p for s, p in zip(summaries, sources) if any(s is u for u, _ in rows)]
+        lines.append(f"\nResults files{what} (hf_carryover repository): " + ", ".join(f"`{p}`" for p in named)
                      + f" (drafter `{key}`).")
     return lines
 
@@ -159,7 +165,9 @@ def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: 
     if lookup_rows and n_lookup is None:
         raise ValueError(f"the lookup results' command has no `{lookup_key}=...,lookup=N` entry")
     tree_summaries = list(tree_summary or [])
-    tree_tables = [(k, _rows(tree_summaries, k), _tree_setting(tree_summaries, k)) for k in tree_keys or []]
+    # a label measured again in a later file (e.g. after a rule change) takes the later file's rows
+    tree_tables = [(k, _rows(tree_summaries, k, latest=True), _tree_setting(tree_summaries[::-1], k))
+                   for k in tree_keys or []]
     evals = []
     kinds = [("tau", rows, None), ("tau_lookup", lookup_rows, None)] + [("tau_tree", r, t) for _, r, t in tree_tables]
     for kind, these, setting in kinds:
@@ -191,8 +199,9 @@ def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: 
                       "hf_carryover's engine verifies, each round, the nodes of this folder's `draft_tree.json` "
                       "(calibrated "
                       "on training responses) that the drafter finds likeliest, in one target forward (greedy only; "
-                      "`SpeculativeEngine.generate(..., tree=TreeSpec.from_pretrained(folder), tree_nodes=N)`). "
-                      "τ is tokens per verification. `generate()` verifies one linear block and cannot use it.\n"]
+                      "`SpeculativeEngine.generate(..., tree=TreeSpec.from_pretrained(folder), tree_nodes=N)`, or "
+                      "`drafter.use_draft_tree(nodes=N)` before `generate()`, which then runs these rounds). "
+                      "τ is tokens per verification.\n"]
             lines += _table(tree_summaries, these, tree_sources, key, " with a draft tree", "rounds")
         results = "\n".join(lines)
     else:
@@ -206,7 +215,11 @@ def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: 
         fp=", ".join(f"{k} {v}" for k, v in fp.items()), layers=cfg["target_layer_ids"], block_size=cfg["block_size"],
         num_layers=cfg["num_hidden_layers"],
         mask="learned embedding" if cfg.get("learned_mask_embedding") else f"target token id {cfg.get('mask_token_id')}",
-        carryover="on" if cfg.get("carryover") else "off", training=training_text or "Not documented.", results=results)
+        carryover="on" if cfg.get("carryover") else "off", training=training_text or "Not documented.", results=results,
+        tree_text="\nWith the `hf_carryover` package installed, `drafter.use_draft_tree()` makes greedy single-prompt "
+                  "calls verify a draft tree each round (this repository's `draft_tree.json`, 63 nodes a round, on "
+                  "hf_carryover's engine); other calls verify linear blocks and warn why."
+                  if (Path(folder) / "draft_tree.json").exists() else "")
     return ModelCard.from_template(data, template_str="---\n{{ card_data }}\n---\n" + body)
 
 

@@ -23,6 +23,8 @@ Choices the papers leave open, made here:
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -228,6 +230,7 @@ class Drafter(PreTrainedModel):
             self.markov_out = nn.Linear(config.markov_rank, config.vocab_size, bias=False)
         self._target_parts: dict = {}  # plain dict: not a submodule, never saved
         self.last_candidate_generator = None
+        self.draft_tree = None  # (TreeSpec, nodes per round) once use_draft_tree() is called
         self.post_init()
 
     # ------------------------------------------------------------------ construction and binding
@@ -481,6 +484,45 @@ class Drafter(PreTrainedModel):
         attn_mask = torch.cat(visible, dim=1)[:, None, None, :]  # [b, 1, 1, keys]: every block row sees all keys
         return self(block, positions, cache=cache, carryover_features=carryover_features,
                     carryover_positions=carryover_positions, attn_mask=attn_mask)
+
+    def use_draft_tree(self, tree="auto", nodes: int | None = 63):
+        """Have greedy `generate(assistant_model=self)` calls verify a draft tree each round instead of the block.
+
+        A DFlash drafter drafts every block position from one forward, so its second- and third-ranked tokens cost
+        nothing; a tree of them covers where the top-1 chain breaks, and one target forward verifies it (τ 2.2 ->
+        3.9 with context lookup on the reference target, examples/results/h200-2026-12-01f). tree: "auto" (the
+        `draft_tree.json` shipped beside these weights), a file, a list of rank paths, a `TreeSpec`, or None (off).
+        nodes: per round, the N nodes of that tree the drafter finds likeliest (None: the whole tree). Runs on
+        hf_carryover's engine (the package must be installed); calls it cannot serve (sampling, a batch, padding,
+        logits processors, a streamer, dict outputs) verify linear blocks, with a warning that says why."""
+        if tree is None:
+            self.draft_tree = None
+            return self
+        if self.config.drafter_type != "dflash":
+            raise ValueError("draft trees need a DFlash drafter: a Markov drafter's proposals depend on the previous "
+                             "proposal, so its lower-ranked tokens do not form a tree.")
+        from .generation_carryover import tree_hook_installed
+
+        if not tree_hook_installed():
+            raise RuntimeError("draft trees need the class-level generate hook (HF_CARRYOVER_NO_HOOK=1 is set): "
+                               "call hf_carryover.install_generate_hook(force=True) first.")
+        try:
+            from hf_carryover.engine.tree import TreeSpec
+        except ImportError as e:
+            raise ImportError("draft trees in generate() run on hf_carryover's engine: pip install hf_carryover") from e
+        if isinstance(tree, str) and tree == "auto":
+            tree = TreeSpec.from_pretrained(self.name_or_path)
+        elif isinstance(tree, (str, os.PathLike)):
+            tree = TreeSpec.load(tree)
+        elif not isinstance(tree, TreeSpec):
+            tree = TreeSpec(tree)
+        if tree.max_depth > self.config.num_proposals:
+            raise ValueError(f"draft tree of depth {tree.max_depth}: this drafter proposes {self.config.num_proposals} "
+                             "tokens a block.")
+        if nodes is not None and not 0 < int(nodes) <= tree.num_nodes:
+            raise ValueError(f"nodes={nodes}: between 1 and the tree's {tree.num_nodes} nodes (None: all).")
+        self.draft_tree = (tree, None if nodes is None else int(nodes))
+        return self
 
     def make_candidate_generator(self, target, generation_config, logits_processor, model_kwargs, input_ids=None):
         """Hook entry point used by `generate()` (dispatched on this method, not on the class)."""

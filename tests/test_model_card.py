@@ -111,3 +111,14 @@ def test_card_with_tree_rows(tmp_path):
     with pytest.raises(ValueError, match="x-none"):
         write_model_card(tmp_path, name="tiny", repo_id="org/tiny", base_model="org/target", summary=[s],
                          drafter_key="x", tree_summary=[s], tree_keys=["x-none"])
+    # a later file measuring a label again (here with 63 nodes) replaces that label's rows, setting and file line
+    s2 = {"command": cmd.replace("x-tl=F,tree=T.json,tree_nodes=31", "x-tl=F,tree=T.json,tree_nodes=63"),
+          "max_new_tokens": 256, "environment": {"commit": "bead5"}, "results": row("x-tl", "mtbench", 3.9)}
+    path = write_model_card(tmp_path, name="tiny", repo_id="org/tiny", base_model="org/target", summary=[s],
+                            drafter_key="x", tree_summary=[s, s2], tree_keys=["x-t", "x-tl"],
+                            tree_sources=["r/t.json", "r/t2.json"])
+    evals = ModelCard.load(path).data.eval_results
+    assert [(r.metric_type, r.metric_value) for r in evals] == [("tau", 2.0), ("tau_tree", 3.1), ("tau_tree", 3.9)]
+    text = path.read_text()
+    assert "(`tree_nodes=63, prompt_lookup_num_tokens=15`)" in text and "(`tree_nodes=31" not in text
+    assert "`r/t2.json` (drafter `x-tl`)." in text and "`r/t.json` (drafter `x-t`)." in text

@@ -41,8 +41,9 @@ def test_benchmark_script_tiny(tmp_path):
     methods = {r["method"] for r in summary["results"]}
     assert {"hf_eager", "hf_prompt_lookup", "hf_spec:m", "engine_ar@1", "engine_ar@3", "engine:m@1", "engine:m@3",
             "hf_own_dflash:m", "hf_spec_lookup:m", "engine_lookup:m@1", "engine_lookup:m@3", "engine_pld@1",
-            "engine_tree3:p@1", "engine_treeall:p@3", "engine_tree_lookup3:p@1", "engine_tree_lookupall:p@3"} <= methods
-    assert not any(m.startswith("engine_tree") and not m.endswith(("p@1", "p@3")) for m in methods)  # p's tree only
+            "engine_tree3:p@1", "engine_treeall:p@3", "engine_tree_lookup3:p@1", "engine_tree_lookupall:p@3",
+            "hf_spec_tree3:p", "hf_spec_tree_lookupall:p"} <= methods
+    assert not any("_tree" in m and not m.endswith(("p@1", "p@3", ":p")) for m in methods)  # p's tree only
     assert all(r["tokens"] == 36 for r in summary["results"])  # 3 prompts x 12 tokens, eos never hit
     # each row's whole cost (warm-up and first-use build included) is at least its timed part
     assert all(r["row_wall_s"] >= round(r["seconds"], 1) - 0.1 for r in summary["results"]), summary["results"]
@@ -54,6 +55,10 @@ def test_benchmark_script_tiny(tmp_path):
     # the engine's context lookup takes generate()'s rounds (fp32 on CPU), so the same τ
     assert by["engine_lookup:p@1"]["tau"] == pytest.approx(by["hf_spec_lookup:p"]["tau"])
     assert by["engine_pld@1"]["tau"] >= 1.0 and "lookup_round_share" in by["engine_pld@1"]
+    # generate() with a draft tree runs the engine's tree rounds: the same τ as the engine row at batch 1
+    for kind in ("tree3", "tree_lookup3", "treeall"):
+        assert by[f"hf_spec_{kind}:p"]["tau"] == pytest.approx(by[f"engine_{kind}:p@1"]["tau"])
+    assert by["hf_spec_tree3:p"]["mode"] == "tree on the engine (eager)"
     # skipping the drafter in looked-up rounds changes the cost of a round, never its outcome
     for b in (1, 3):
         skip, always = by[f"engine_lookup:p@{b}"], by[f"engine_lookup_always_draft:p@{b}"]
@@ -468,6 +473,18 @@ def test_evaluate_tau_cut_run_keeps_its_command(tmp_path):
     eng = json.loads((tmp_path / "lk2" / "raw-engine.jsonl").read_text().splitlines()[0])
     assert eng["lookup"] == 3 and eng["accepted"] == rec["accepted"]  # the engine's rounds are generate()'s
     assert eng["lookup_rounds"] == rec["lookup_rounds"]
+    # a draft tree: generate() (drafter.use_draft_tree) and the engine record the same tree rounds
+    tree = tmp_path / "tree.json"
+    tree.write_text(json.dumps({"paths": [[0], [1], [0, 0], [1, 0], [0, 0, 0]]}))
+    tr = [*lk[:3], f"t={tmp_path / 'drafter'},tree={tree},tree_nodes=3,lookup=3", *lk[4:]]
+    subprocess.run([sys.executable, script, *tr, "--out", str(tmp_path / "tr")], check=True, env=env,
+                   capture_output=True, cwd=tmp_path)
+    subprocess.run([sys.executable, script, *tr, "--engine", "--out", str(tmp_path / "tr2")], check=True, env=env,
+                   capture_output=True, cwd=tmp_path)
+    gen, eng = (json.loads((tmp_path / d / f).read_text().splitlines()[0])
+                for d, f in (("tr", "raw-0.jsonl"), ("tr2", "raw-engine.jsonl")))
+    assert gen["tree_nodes"] == eng["tree_nodes"] == 3 and gen["tree"] == eng["tree"] == str(tree)
+    assert gen["accepted"] == eng["accepted"] and gen["lookup_rounds"] == eng["lookup_rounds"]
     bad = subprocess.run([sys.executable, script, *lk, "--offline", "--out", str(tmp_path / "lk3")], env=env,
                          capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode != 0 and "offline replay has no lookup" in bad.stderr

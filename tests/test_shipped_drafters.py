@@ -96,3 +96,16 @@ def test_tree_from_pretrained_names_a_missing_file(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="calibrate_tree.py"):
         TreeSpec.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.name)
+def test_remote_code_drafter_takes_its_shipped_tree(folder):
+    """`use_draft_tree()` finds the folder's draft_tree.json (63 nodes a round). In this process AutoModel may hand
+    back the package's class; the folder's copy of the code is the same (test_remote_code_matches_the_package)."""
+    if not (folder / "model.safetensors").exists():
+        pytest.skip("weights not in this working tree (sparse checkout: trainer/device_tree.sh light)")
+    from transformers import AutoModel
+
+    drafter = AutoModel.from_pretrained(folder, trust_remote_code=True)
+    tree, nodes = drafter.use_draft_tree().draft_tree
+    assert nodes == 63 and tree.num_nodes == len(json.loads((folder / "draft_tree.json").read_text())["paths"])

@@ -1,0 +1,119 @@
+"""Draft trees through `target.generate(assistant_model=drafter)` (CPU, eager, fp32): `drafter.use_draft_tree()` makes
+greedy calls verify trees on the engine; output stays the target's greedy output, the recorded rounds are the engine's,
+calls the tree path cannot serve fall back to linear blocks with a warning, and bad settings fail clearly."""
+
+import json
+import warnings
+
+import pytest
+import torch
+from conftest import build_drafter, build_target
+from test_engine import _greedy_refs, _prompts, _trained_setup
+from test_engine_tree import WIDE
+
+from hf_carryover import Drafter
+from hf_carryover.engine.engine import SpeculativeEngine
+from hf_carryover.engine.hf_generate import TreeRounds
+from hf_carryover.generation_carryover import CarryoverCandidateGenerator
+
+
+def _generate(target, drafter, prompt, max_new, **kw):
+    x = torch.tensor([prompt])
+    y = target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+                        assistant_model=drafter, **kw)
+    return y[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("lookup", [None, 4])
+@pytest.mark.parametrize("nodes", [None, 5])
+def test_tree_generate_equals_plain_greedy_and_records_the_engine_rounds(arch, lookup, nodes):
+    target = build_target(arch)
+    drafter = build_drafter(target, "dflash", True).use_draft_tree(WIDE, nodes=nodes)
+    engine = SpeculativeEngine(target, drafter, max_len=128)
+    kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    for prompt in _prompts(3, (1, 6, 13)):
+        ref = _greedy_refs(target, [prompt], 23)[0]
+        assert _generate(target, drafter, prompt, 23, **kw) == ref
+        rec = drafter.last_candidate_generator
+        assert isinstance(rec, TreeRounds) and rec.tree_nodes == (nodes or len(WIDE)) and rec.lookup_tokens == lookup
+        assert engine.generate([prompt], max_new_tokens=23, tree=WIDE, tree_nodes=nodes,
+                               prompt_lookup_num_tokens=lookup) == [ref]
+        assert [r["accepted"] for r in rec.rounds] == engine.rounds[0]
+        assert [r.get("source") == "lookup" for r in rec.rounds] == engine.lookup_rounds[0]
+
+
+def test_tree_generate_with_a_good_drafter_accepts_more_than_linear_blocks():
+    target, drafter, prompts, max_new, refs = _trained_setup("dflash", True, steps=40)
+    linear, tree = [], []
+    for prompt, ref in zip(prompts, refs):
+        assert _generate(target, drafter, prompt, max_new) == ref
+        linear += [r["accepted"] + 1 for r in drafter.last_candidate_generator.rounds]
+    k = drafter.config.num_proposals
+    drafter.use_draft_tree([(0,) * d for d in range(1, k + 1)] + [(1,), (2,), (1, 0), (0, 1), (0, 0, 1)], nodes=None)
+    for prompt, ref in zip(prompts, refs):
+        assert _generate(target, drafter, prompt, max_new) == ref
+        tree += [r["accepted"] + 1 for r in drafter.last_candidate_generator.rounds]
+    emitted = sum(len(r) for r in refs) - len(refs)  # every token but the prefill's, less a last draftless round's
+    assert emitted - len(refs) <= min(sum(tree), sum(linear)) and max(sum(tree), sum(linear)) <= emitted
+    assert sum(tree) / len(tree) > sum(linear) / len(linear) + 0.2, (tree, linear)  # τ: more tokens per verification
+    drafter.use_draft_tree(None)
+    assert _generate(target, drafter, prompts[0], max_new) == refs[0]
+    assert isinstance(drafter.last_candidate_generator, CarryoverCandidateGenerator)
+
+
+def test_engine_is_kept_while_calls_fit_and_rebuilt_when_longer():
+    target = build_target("llama")
+    drafter = build_drafter(target, "dflash", False).use_draft_tree(WIDE, nodes=4)
+    _generate(target, drafter, [5, 9, 3], 20)
+    first = drafter.__dict__["_hf_carryover_tree_engine"]
+    assert first.max_len == 256
+    _generate(target, drafter, [7, 1, 4, 4, 2], 30)
+    assert drafter.__dict__["_hf_carryover_tree_engine"] is first
+    prompt = _prompts(4, (3,))[0]
+    assert _generate(target, drafter, prompt, 260) == _greedy_refs(target, [prompt], 260)[0]
+    assert drafter.__dict__["_hf_carryover_tree_engine"].max_len == 512
+
+
+@pytest.mark.parametrize("case", ["sampling", "processor", "streamer", "dict", "short_block"])
+def test_calls_the_tree_path_cannot_serve_fall_back_with_a_warning(case):
+    target = build_target("llama")
+    drafter = build_drafter(target, "dflash", True).use_draft_tree(WIDE, nodes=5)
+    x = torch.tensor([[5, 9, 3, 7]])
+    kw = {"sampling": dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0),
+          "processor": dict(do_sample=False, repetition_penalty=1.3),
+          "streamer": dict(do_sample=False, streamer=_NullStreamer()),
+          "dict": dict(do_sample=False, return_dict_in_generate=True),
+          "short_block": dict(do_sample=False, num_assistant_tokens=2)}[case]
+    want = {"sampling": "sampling", "processor": "RepetitionPenaltyLogitsProcessor", "streamer": "a streamer",
+            "dict": "return_dict_in_generate", "short_block": "num_assistant_tokens=2"}[case]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, assistant_model=drafter, **kw)
+    assert any("draft tree not used" in str(w.message) and want in str(w.message) for w in caught)
+    assert isinstance(drafter.last_candidate_generator, CarryoverCandidateGenerator)  # the linear path ran
+
+
+class _NullStreamer:
+    def put(self, value):
+        pass
+
+    def end(self):
+        pass
+
+
+def test_use_draft_tree_loads_the_shipped_file_and_refuses_bad_settings(tmp_path):
+    target = build_target("llama")
+    build_drafter(target, "dflash", True).save_pretrained(tmp_path)
+    (tmp_path / "draft_tree.json").write_text(json.dumps({"paths": [list(p) for p in WIDE]}))
+    drafter = Drafter.from_pretrained(tmp_path)
+    tree, nodes = drafter.use_draft_tree(nodes=5).draft_tree  # "auto": the folder's draft_tree.json
+    assert tree.paths == sorted(WIDE, key=lambda p: (len(p), p)) and nodes == 5
+    with pytest.raises(ValueError, match="nodes=63: between 1 and the tree's 11 nodes"):
+        drafter.use_draft_tree(tree)  # the default 63 nodes, which this small tree does not have
+    with pytest.raises(ValueError, match="depth 5: this drafter proposes 3"):
+        drafter.use_draft_tree([(0,) * d for d in range(1, 6)], nodes=None)
+    with pytest.raises(ValueError, match="need a DFlash drafter"):
+        build_drafter(target, "markov", True).use_draft_tree(WIDE)
+    with pytest.raises(FileNotFoundError):
+        build_drafter(target, "dflash", True).use_draft_tree(tmp_path / "missing.json")
