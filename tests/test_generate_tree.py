@@ -72,7 +72,11 @@ def test_engine_is_kept_while_calls_fit_and_rebuilt_when_longer():
     assert drafter.__dict__["_hf_carryover_tree_engine"] is first
     prompt = _prompts(4, (3,))[0]
     assert _generate(target, drafter, prompt, 260) == _greedy_refs(target, [prompt], 260)[0]
-    assert drafter.__dict__["_hf_carryover_tree_engine"].max_len == 512
+    longer = drafter.__dict__["_hf_carryover_tree_engine"]
+    assert longer.max_len == 512
+    target.double(), drafter.double()  # a cast model gets new buffers (as a moved one would)
+    assert _generate(target, drafter, prompt, 20) == _greedy_refs(target, [prompt], 20)[0]
+    assert drafter.__dict__["_hf_carryover_tree_engine"] is not longer
 
 
 @pytest.mark.parametrize("case", ["sampling", "processor", "streamer", "dict", "short_block"])

@@ -72,11 +72,13 @@ def _engine_for(target, drafter, need: int):
     CUDA graphs on CUDA (each shape captured once, then replayed by every later call); eager elsewhere."""
     from .engine import SpeculativeEngine
 
+    p = next(target.parameters())
+    where = (p.device, p.dtype, next(drafter.parameters()).device)  # a moved or cast model needs new buffers
     eng = drafter.__dict__.get("_hf_carryover_tree_engine")
-    if eng is None or eng.target is not target or eng.max_len < need:
+    if eng is None or eng.target is not target or eng.max_len < need or eng._hf_where != where:
         length = -(-need // _ENGINE_LEN_STEP) * _ENGINE_LEN_STEP
-        cuda = next(target.parameters()).is_cuda
-        eng = SpeculativeEngine(target, drafter, max_len=length, cuda_graphs=cuda)
+        eng = SpeculativeEngine(target, drafter, max_len=length, cuda_graphs=p.is_cuda)
+        eng._hf_where = where
         drafter.__dict__["_hf_carryover_tree_engine"] = eng  # not a submodule: never saved, never moved
     return eng
 
