@@ -323,7 +323,7 @@ def main():
     if args.methods:
         def names(row):  # "engine_tree_lookup63:d@1" -> its method, and for tree rows the kind without the size
             base = row.split("@")[0].split(":")[0]
-            return {row, base, re.sub(r"(\d+|all)$", "", base) if base.startswith("engine_tree") else base}
+            return {row, base, re.sub(r"(\d+|all)$", "", base) if "_tree" in base else base}
 
         methods = [m for m in methods if names(m[0]) & set(args.methods)]
 

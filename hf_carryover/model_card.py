@@ -216,8 +216,8 @@ def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: 
         num_layers=cfg["num_hidden_layers"],
         mask="learned embedding" if cfg.get("learned_mask_embedding") else f"target token id {cfg.get('mask_token_id')}",
         carryover="on" if cfg.get("carryover") else "off", training=training_text or "Not documented.", results=results,
-        tree_text="\nWith the `hf_carryover` package installed, `drafter.use_draft_tree()` makes greedy single-prompt "
-                  "calls verify a draft tree each round (this repository's `draft_tree.json`, 63 nodes a round, on "
+        tree_text="\nWith the `hf_carryover` package installed, `drafter.use_draft_tree()` makes greedy calls "
+                  "(left-padded batches too) verify a draft tree each round (this repository's `draft_tree.json`, 63 nodes a round, on "
                   "hf_carryover's engine); other calls verify linear blocks and warn why."
                   if (Path(folder) / "draft_tree.json").exists() else "")
     return ModelCard.from_template(data, template_str="---\n{{ card_data }}\n---\n" + body)

@@ -43,6 +43,29 @@ def test_tree_generate_equals_plain_greedy_and_records_the_engine_rounds(arch, l
         assert [r.get("source") == "lookup" for r in rec.rounds] == engine.lookup_rounds[0]
 
 
+@pytest.mark.parametrize("lookup", [None, 4])
+def test_tree_generate_serves_left_padded_batches_row_by_row(lookup):
+    """Transformers' assisted decoding takes batch 1 only; tree calls take a left-padded batch, each row the greedy
+    continuation of its own prompt, rows that stop at EOS first filled with the pad id, as generate() fills them."""
+    target = build_target("llama")
+    drafter = build_drafter(target, "dflash", True).use_draft_tree(WIDE, nodes=5)
+    prompts = _prompts(6, (2, 9, 5))
+    free = _greedy_refs(target, prompts, 20)
+    eos = free[2][6]  # row 2 emits it at step 7; the others stop wherever it occurs
+    refs = _greedy_refs(target, prompts, 20, eos=eos)
+    width, pad = max(map(len, prompts)), 0
+    x = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    y = target.generate(x, attention_mask=mask, max_new_tokens=20, do_sample=False, assistant_model=drafter,
+                        eos_token_id=eos, pad_token_id=pad, **({"prompt_lookup_num_tokens": lookup} if lookup else {}))
+    longest = max(map(len, refs))
+    assert y[:, :width].tolist() == x.tolist() and y.shape[1] == width + longest
+    assert y[:, width:].tolist() == [r + [pad] * (longest - len(r)) for r in refs]
+    rec = drafter.last_candidate_generator
+    assert len(rec.row_rounds) == 3 and rec.rounds == [r for row in rec.row_rounds for r in row]
+    assert all(sum(r["accepted"] + 1 for r in rows) <= len(ref) for rows, ref in zip(rec.row_rounds, refs))
+
+
 def test_tree_generate_with_a_good_drafter_accepts_more_than_linear_blocks():
     target, drafter, prompts, max_new, refs = _trained_setup("dflash", True, steps=40)
     linear, tree = [], []
@@ -79,7 +102,7 @@ def test_engine_is_kept_while_calls_fit_and_rebuilt_when_longer():
     assert drafter.__dict__["_hf_carryover_tree_engine"] is not longer
 
 
-@pytest.mark.parametrize("case", ["sampling", "processor", "streamer", "dict", "short_block"])
+@pytest.mark.parametrize("case", ["sampling", "processor", "streamer", "dict", "short_block", "right_padding"])
 def test_calls_the_tree_path_cannot_serve_fall_back_with_a_warning(case):
     target = build_target("llama")
     drafter = build_drafter(target, "dflash", True).use_draft_tree(WIDE, nodes=5)
@@ -88,12 +111,15 @@ def test_calls_the_tree_path_cannot_serve_fall_back_with_a_warning(case):
           "processor": dict(do_sample=False, repetition_penalty=1.3),
           "streamer": dict(do_sample=False, streamer=_NullStreamer()),
           "dict": dict(do_sample=False, return_dict_in_generate=True),
-          "short_block": dict(do_sample=False, num_assistant_tokens=2)}[case]
+          "short_block": dict(do_sample=False, num_assistant_tokens=2),
+          "right_padding": dict(do_sample=False, attention_mask=torch.tensor([[1, 1, 1, 0]]))}[case]
     want = {"sampling": "sampling", "processor": "RepetitionPenaltyLogitsProcessor", "streamer": "a streamer",
-            "dict": "return_dict_in_generate", "short_block": "num_assistant_tokens=2"}[case]
+            "dict": "return_dict_in_generate", "short_block": "num_assistant_tokens=2",
+            "right_padding": "left padding only"}[case]
+    kw.setdefault("attention_mask", torch.ones_like(x))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, assistant_model=drafter, **kw)
+        target.generate(x, max_new_tokens=12, assistant_model=drafter, **kw)
     assert any("draft tree not used" in str(w.message) and want in str(w.message) for w in caught)
     assert isinstance(drafter.last_candidate_generator, CarryoverCandidateGenerator)  # the linear path ran
 

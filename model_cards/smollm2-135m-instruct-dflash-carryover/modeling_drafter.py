@@ -493,8 +493,9 @@ class Drafter(PreTrainedModel):
         3.9 with context lookup on the reference target, examples/results/h200-2026-12-01f). tree: "auto" (the
         `draft_tree.json` shipped beside these weights), a file, a list of rank paths, a `TreeSpec`, or None (off).
         nodes: per round, the N nodes of that tree the drafter finds likeliest (None: the whole tree). Runs on
-        hf_carryover's engine (the package must be installed); calls it cannot serve (sampling, a batch, padding,
-        logits processors, a streamer, dict outputs) verify linear blocks, with a warning that says why."""
+        hf_carryover's engine (the package must be installed), which also takes left-padded batches (rows advance
+        independently); calls it cannot serve (sampling, right padding, logits processors, a streamer, dict outputs)
+        verify linear blocks, with a warning that says why."""
         if tree is None:
             self.draft_tree = None
             return self

@@ -472,7 +472,7 @@ def _dispatch(original):
 
 
 def _dispatch_trees(original):
-    """`_assisted_decoding` for a drafter with `use_draft_tree(...)` set: greedy single-prompt calls run the
+    """`_assisted_decoding` for a drafter with `use_draft_tree(...)` set: greedy calls (left-padded batches too) run the
     package's tree rounds (`hf_carryover.engine.hf_generate`); any other call keeps transformers' loop (linear
     blocks), with one warning naming what stood in the way."""
     sig = inspect.signature(original)
@@ -489,7 +489,7 @@ def _dispatch_trees(original):
                                 extra.get("attention_mask"))
             if not why:
                 drafter.bind_target(self)
-                return tree_generate(self, drafter, a["input_ids"], a["generation_config"])
+                return tree_generate(self, drafter, a["input_ids"], a["generation_config"], extra.get("attention_mask"))
             warnings.warn("draft tree not used for this generate() call (" + "; ".join(why) + "): it verifies "
                           "linear blocks", stacklevel=4)
         return original(self, *args, **kwargs)
