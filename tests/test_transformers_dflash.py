@@ -43,3 +43,15 @@ def test_markov_drafter_refused_by_transformers_dflash():
     with pytest.raises(ValueError, match="'dflash' drafter only"):
         target.generate(torch.tensor([[3, 4, 5]]), assistant_model=drafter, max_new_tokens=8, do_sample=False,
                         speculation_type="dflash")
+
+
+def test_a_draft_tree_leaves_transformers_dflash_loop_alone():
+    """`speculation_type="dflash"` asks for transformers' own loop: a drafter with a draft tree set runs it, not ours."""
+    target = build_target("llama")
+    drafter = build_drafter(target, "dflash", False).use_draft_tree([(0,), (1,), (0, 0)], nodes=None)
+    prompt = torch.tensor([[3, 4, 5, 9]])
+    ref = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    drafter.last_candidate_generator = None
+    out = target.generate(prompt, assistant_model=drafter, max_new_tokens=12, do_sample=False,
+                          speculation_type="dflash")
+    assert torch.equal(out, ref) and drafter.last_candidate_generator is None  # no tree record: not our path

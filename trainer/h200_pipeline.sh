@@ -439,7 +439,9 @@ regen)  # more training responses (trainer/regenerate.py), REGEN_SETS="T:SEED:ST
   ;;
 gentau)  # τ through target.generate(assistant_model=...) itself, fp32, GEN_WORKERS processes per GPU (a 135M target
   # decodes launch-bound), GPU g measuring the drafters GEN_G<g> (LABEL=RUN entries as in `tau`), temperatures
-  # GEN_TEMPS, within GEN_SECONDS; datasets interleaved, so a cut run covers each dataset's first prompts alike
+  # GEN_TEMPS, within GEN_SECONDS; datasets interleaved, so a cut run covers each dataset's first prompts alike.
+  # Draft trees through generate() (drafter.use_draft_tree, greedy): an entry such as
+  # "carry-t63lk=dflash-carryover-gated,tree=model_cards/smollm2-135m-instruct-dflash-carryover/draft_tree.json,tree_nodes=63,lookup=15"
   ready_target
   gen_run() {  # gen_run GPU DRAFTER...
     local g=$1; shift

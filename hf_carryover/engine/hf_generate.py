@@ -10,8 +10,7 @@ Why through the engine rather than a second loop on transformers' cache: the eng
 ones (exact against plain greedy decoding on CPU and, compiled and captured, on the H200), and a copy of that logic
 on `DynamicCache` would be a second implementation to keep exact. The price: a call that transformers' loop would
 treat specially (sampling, logits processors, a streamer, dict outputs, right padding, stop strings) is not a tree
-call;
-`tree_blockers` names what stands in the way and the hook falls back to linear blocks with one warning.
+call; `tree_blockers` names what stands in the way and the hook falls back to linear blocks with a warning.
 """
 
 from __future__ import annotations
@@ -53,6 +52,8 @@ def tree_blockers(drafter, input_ids, generation_config, logits_processor=None, 
         why.append("sampling (draft trees are greedy only)")
     if attention_mask is not None and not bool((attention_mask.long().cummax(1).values == attention_mask).all()):
         why.append("padding after a prompt's first token (left padding only)")
+    elif attention_mask is not None and not bool(attention_mask.any(1).all()):
+        why.append("a row without prompt tokens")
     if logits_processor is not None and len(logits_processor):
         why.append("logits processors (" + ", ".join(type(p).__name__ for p in logits_processor) + ")")
     stops = [type(s).__name__ for s in (stopping_criteria or []) if type(s).__name__ not in _ENGINE_STOPS]

@@ -480,7 +480,9 @@ def _dispatch_trees(original):
     def _assisted_decoding(self, *args, **kwargs):
         a = sig.bind(self, *args, **kwargs).arguments
         drafter = a.get("assistant_model")
-        if getattr(drafter, "_is_carryover_drafter", False) and getattr(drafter, "draft_tree", None) is not None:
+        own_dflash = getattr(a["generation_config"], "speculation_type", None) == "dflash"  # transformers' own loop
+        if (getattr(drafter, "_is_carryover_drafter", False) and getattr(drafter, "draft_tree", None) is not None
+                and not own_dflash):
             from hf_carryover.engine.hf_generate import tree_blockers, tree_generate
 
             extra = a.get("model_kwargs", {})
