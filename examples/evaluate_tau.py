@@ -99,7 +99,7 @@ def worker(rank, args, jobs):
         if temp > 0:
             kw.update(temperature=float(temp), top_k=0, top_p=1.0)
         tree = drafters[name]._eval_tree
-        if tree:  # generate() verifies draft trees (greedy calls; sampled ones warn and verify linear blocks)
+        if tree:  # generate() verifies draft trees (main() allows tree specs at T=0 only: trees are greedy)
             from hf_carryover.engine.tree import TreeSpec
 
             drafters[name].use_draft_tree(TreeSpec.load(tree["tree"]), tree.get("tree_nodes"))
