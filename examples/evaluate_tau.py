@@ -89,6 +89,11 @@ def worker(rank, args, jobs):
 
     torch.manual_seed(1234 + rank)
     device, target, drafters = _setup(args)
+    for d in drafters.values():  # each spec is its own drafter object: a tree spec's drafter keeps its tree
+        if d._eval_tree:  # generate() verifies draft trees (main() allows tree specs at T=0 only: trees are greedy)
+            from hf_carryover.engine.tree import TreeSpec
+
+            d.use_draft_tree(TreeSpec.load(d._eval_tree["tree"]), d._eval_tree.get("tree_nodes"))
     out = open(Path(args.out) / f"raw-{rank}.jsonl", "a")
     for job in jobs[rank:: args.workers]:
         name, dataset, temp, pid, ids = job
@@ -98,11 +103,6 @@ def worker(rank, args, jobs):
             kw["prompt_lookup_num_tokens"] = drafters[name]._eval_lookup
         if temp > 0:
             kw.update(temperature=float(temp), top_k=0, top_p=1.0)
-        tree = drafters[name]._eval_tree
-        if tree:  # generate() verifies draft trees (main() allows tree specs at T=0 only: trees are greedy)
-            from hf_carryover.engine.tree import TreeSpec
-
-            drafters[name].use_draft_tree(TreeSpec.load(tree["tree"]), tree.get("tree_nodes"))
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -119,8 +119,7 @@ def worker(rank, args, jobs):
             rec["lookup"] = gen.lookup_tokens
             rec["lookup_rounds"] = sum(r.get("source") == "lookup" for r in gen.rounds)
         if getattr(gen, "tree_nodes", None):  # rounds verified a tree: `accepted` is tokens emitted minus one
-            rec.update(tree_nodes=gen.tree_nodes, tree=tree["tree"])
-        drafters[name].use_draft_tree(None)
+            rec.update(tree_nodes=gen.tree_nodes, tree=drafters[name]._eval_tree["tree"])
         out.write(json.dumps(rec) + "\n")
         out.flush()
 

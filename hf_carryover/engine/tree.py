@@ -108,24 +108,32 @@ class TreeSpec:
         return self._tensors[key]
 
 
-def check_tree(tree, drafter, do_sample: bool, longest: int, max_len: int, nodes=None):
-    """`tree` (a TreeSpec, a list of rank paths, or None) as a TreeSpec or None, after checking that this drafter and
-    call can verify it: a DFlash drafter, greedy decoding, depth within the block, `nodes` within the tree, and room
-    in the engine's caches (`max_len`) for the `longest` sequence plus the rows a round writes."""
-    if tree is None:
-        return None
+def fit_tree(tree, drafter, nodes=None) -> TreeSpec:
+    """`tree` (a TreeSpec or a list of rank paths) as a TreeSpec, after checking that `drafter` can verify it, `nodes`
+    a round: a DFlash drafter, depth within its block, `nodes` within the tree. Shared by the engine's calls
+    (`check_tree`) and `Drafter.use_draft_tree`."""
     tree = tree if isinstance(tree, TreeSpec) else TreeSpec(tree)
     if drafter is None or drafter.config.drafter_type != "dflash":
-        raise ValueError("tree verification needs a DFlash drafter: its block positions are drafted independently, "
+        raise ValueError("draft trees need a DFlash drafter: its block positions are drafted independently, "
                          "so the top-ranked tokens of each position combine into a tree (a Markov drafter's "
                          "proposals depend on the previous proposal).")
-    if do_sample:
-        raise ValueError("tree verification is greedy only (do_sample=False); sampled rounds verify the linear block.")
     if tree.max_depth > drafter.config.num_proposals:
         raise ValueError(f"draft tree of depth {tree.max_depth}: this drafter proposes "
                          f"{drafter.config.num_proposals} tokens a block.")
     if nodes is not None and not 1 <= int(nodes) <= tree.num_nodes:
-        raise ValueError(f"tree_nodes={nodes}: choose between 1 and the tree's {tree.num_nodes} nodes.")
+        raise ValueError(f"tree_nodes={nodes}: between 1 and the tree's {tree.num_nodes} nodes (None: all).")
+    return tree
+
+
+def check_tree(tree, drafter, do_sample: bool, longest: int, max_len: int, nodes=None):
+    """`tree` (a TreeSpec, a list of rank paths, or None) as a TreeSpec or None, after checking that this drafter and
+    call can verify it: `fit_tree`'s checks, greedy decoding, and room in the engine's caches (`max_len`) for the
+    `longest` sequence plus the rows a round writes."""
+    if tree is None:
+        return None
+    tree = fit_tree(tree, drafter, nodes)
+    if do_sample:
+        raise ValueError("tree verification is greedy only (do_sample=False); sampled rounds verify the linear block.")
     if longest + (nodes or tree.num_nodes) + 2 > max_len:  # a round writes only its N+1 verified rows
         raise ValueError(f"max_len={max_len} is too small for {longest} tokens + a tree of "
                          f"{nodes or tree.num_nodes} nodes.")
@@ -218,5 +226,5 @@ def accept_tree(tokens: torch.Tensor, valid: torch.Tensor, choice: torch.Tensor,
     return a, path, choice.gather(1, last[:, None])[:, 0]
 
 
-__all__ = ["TreeSpec", "accept_tree", "check_tree", "node_tokens", "select_tree", "static_tree", "tree_mask",
+__all__ = ["TreeSpec", "accept_tree", "check_tree", "fit_tree", "node_tokens", "select_tree", "static_tree", "tree_mask",
            "unique_children"]

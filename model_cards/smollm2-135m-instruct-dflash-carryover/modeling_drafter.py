@@ -499,29 +499,20 @@ class Drafter(PreTrainedModel):
         if tree is None:
             self.draft_tree = None
             return self
-        if self.config.drafter_type != "dflash":
-            raise ValueError("draft trees need a DFlash drafter: a Markov drafter's proposals depend on the previous "
-                             "proposal, so its lower-ranked tokens do not form a tree.")
+        try:
+            from hf_carryover.engine.tree import TreeSpec, fit_tree
+        except ImportError as e:
+            raise ImportError("draft trees in generate() run on hf_carryover's engine: pip install hf_carryover") from e
         from .generation_carryover import tree_hook_installed
 
         if not tree_hook_installed():
             raise RuntimeError("draft trees need the class-level generate hook (HF_CARRYOVER_NO_HOOK=1 is set): "
                                "call hf_carryover.install_generate_hook(force=True) first.")
-        try:
-            from hf_carryover.engine.tree import TreeSpec
-        except ImportError as e:
-            raise ImportError("draft trees in generate() run on hf_carryover's engine: pip install hf_carryover") from e
         if isinstance(tree, str) and tree == "auto":
             tree = TreeSpec.from_pretrained(self.name_or_path)
         elif isinstance(tree, (str, os.PathLike)):
             tree = TreeSpec.load(tree)
-        elif not isinstance(tree, TreeSpec):
-            tree = TreeSpec(tree)
-        if tree.max_depth > self.config.num_proposals:
-            raise ValueError(f"draft tree of depth {tree.max_depth}: this drafter proposes {self.config.num_proposals} "
-                             "tokens a block.")
-        if nodes is not None and not 0 < int(nodes) <= tree.num_nodes:
-            raise ValueError(f"nodes={nodes}: between 1 and the tree's {tree.num_nodes} nodes (None: all).")
+        tree = fit_tree(tree, self, nodes)  # the engine's own checks: DFlash, depth within the block, nodes
         self.draft_tree = (tree, None if nodes is None else int(nodes))
         return self
 
