@@ -11,7 +11,8 @@ Methods (each skipped with a recorded reason when it cannot run here):
   hf_own_dflash:<name> generate(assistant_model=drafter, speculation_type="dflash"): transformers' own DFlash
                       loop driving our drafter (DFlash drafters with a target-row mask; no Carryover there)
   engine_ar           hf_carryover.engine without a drafter (static caches; eager, or CUDA graphs with --cuda_graphs)
-  engine:<name>       hf_carryover.engine with the drafter, at every --batch_sizes value (throughput)
+  engine:<name>       hf_carryover.engine with the drafter, at every --batch_sizes value (throughput; static
+                      batches of b prompts; with --batching continuous, b rows refilled as they finish: @<b>c)
   engine_lookup:<name> (--lookup N) the engine with the drafter and context lookup of up to N tokens; a round in
                       which every row looks up skips the drafter
   engine_lookup_always_draft:<name> (--lookup N) the same, drafting in every round (what the skip saves)
@@ -156,15 +157,19 @@ def make_engine(target, drafter, max_len, profile=False, cuda_graphs=False, comp
 
 
 def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=None, skip_drafter=True, tree=None,
-               tree_nodes=None):
+               tree_nodes=None, continuous=False):
     """One engine per (target, drafter) serves every dataset and batch size of a run, so a shape is captured and
     compiled once, not once per dataset (and torch.compile stays far below its recompile limit). `skip_drafter`:
-    the engine's `lookup_skips_drafter` for this row (False: the drafter runs in every round, looked up or not)."""
+    the engine's `lookup_skips_drafter` for this row (False: the drafter runs in every round, looked up or not).
+    continuous=True: all prompts in one call through `batch` rows refilled as they finish (`batch_size`), the way a
+    server keeps its batch full; otherwise static batches of `batch` prompts, each lasting as long as its slowest row."""
     drafter = engine.drafter
     engine.lookup_skips_drafter = skip_drafter
     chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
     kw = dict(max_new_tokens=max_new, eos_token_id=eos, do_sample=temperature > 0, temperature=temperature or 1.0,
               prompt_lookup_num_tokens=lookup)
+    if continuous:
+        chunks, kw["batch_size"] = [prompts], batch  # the warm-up below then runs the whole queue once
     if tree is not None:
         kw.update(tree=tree, tree_nodes=tree_nodes)
     for size in sorted({len(c) for c in chunks}):  # warm-up, capture and compile outside the timed loop, per batch
@@ -223,6 +228,10 @@ def main():
                    "examples/calibrate_tree.py) for every DFlash drafter, or NAME=FILE per drafter (others get none)")
     p.add_argument("--tree_nodes", nargs="+", default=["all"], help="engine_tree rows: nodes verified per round, each "
                    "value a row ('all': the whole tree, the same for every round)")
+    p.add_argument("--batching", nargs="+", choices=["static", "continuous"], default=["static"],
+                   help="engine rows at batch size b: static batches of b prompts (each lasting as long as its slowest "
+                   "row), and/or continuous batching: all prompts of a dataset through b rows refilled as rows finish "
+                   "(method names end in @<b>c); both share the engine's compiled and captured shapes")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if args.passes < 1:
@@ -272,27 +281,32 @@ def main():
     T = args.temperature
     hf = lambda pr, **kw: run_hf(target, pr, args.max_new_tokens, temperature=T, **kw)  # noqa: E731
     def eng(name, d, pr, b, lookup=None, skip=True, **tree_kw):  # one engine per drafter (and one for its tree rows)
-        return run_engine(engine_for(name, d, "tree" in tree_kw), pr, args.max_new_tokens, b, eos, T, lookup, skip,
-                          **tree_kw)
+        return run_engine(engine_for(name, d, "tree" in tree_kw), pr, args.max_new_tokens, b[0], eos, T, lookup, skip,
+                          continuous=b[1], **tree_kw)
+
+    # engine rows per (batch size, continuous?); continuous rows are named "@8c" (their own AR row is engine_ar@8c:
+    # results_tables' "own AR" pairs them)
+    batches = [(b, mode == "continuous") for mode in args.batching for b in args.batch_sizes]
+    at = lambda b: f"@{b[0]}{'c' if b[1] else ''}"  # noqa: E731
 
     # fastest first: when a time box cuts the run, the engine rows and the HF baselines exist already
-    methods = [(f"engine_ar@{b}", lambda pr, b=b: eng(None, None, pr, b)) for b in args.batch_sizes]
-    methods += [(f"engine:{n}@{b}", lambda pr, n=n, d=d, b=b: eng(n, d, pr, b))
-                for n, d in drafters.items() for b in args.batch_sizes]
+    methods = [(f"engine_ar{at(b)}", lambda pr, b=b: eng(None, None, pr, b)) for b in batches]
+    methods += [(f"engine:{n}{at(b)}", lambda pr, n=n, d=d, b=b: eng(n, d, pr, b))
+                for n, d in drafters.items() for b in batches]
     if args.lookup:
-        methods += [(f"engine_lookup:{n}@{b}", lambda pr, n=n, d=d, b=b: eng(n, d, pr, b, args.lookup))
-                    for n, d in drafters.items() for b in args.batch_sizes]
-        methods += [(f"engine_lookup_always_draft:{n}@{b}",
+        methods += [(f"engine_lookup:{n}{at(b)}", lambda pr, n=n, d=d, b=b: eng(n, d, pr, b, args.lookup))
+                    for n, d in drafters.items() for b in batches]
+        methods += [(f"engine_lookup_always_draft:{n}{at(b)}",
                      lambda pr, n=n, d=d, b=b: eng(n, d, pr, b, args.lookup, skip=False))
-                    for n, d in drafters.items() for b in args.batch_sizes]
-        methods += [(f"engine_pld@{b}", lambda pr, b=b: eng(None, None, pr, b, args.lookup)) for b in args.batch_sizes]
+                    for n, d in drafters.items() for b in batches]
+        methods += [(f"engine_pld{at(b)}", lambda pr, b=b: eng(None, None, pr, b, args.lookup)) for b in batches]
     if trees:
         tree_drafters = {n: d for n, d in drafters.items() if d.config.drafter_type == "dflash" and n in trees}
         for lk in (None, args.lookup) if args.lookup else (None,):
             kind = "engine_tree_lookup" if lk else "engine_tree"
-            methods += [(f"{kind}{'all' if m is None else m}:{n}@{b}",
+            methods += [(f"{kind}{'all' if m is None else m}:{n}{at(b)}",
                          lambda pr, n=n, d=d, b=b, m=m, lk=lk: eng(n, d, pr, b, lk, tree=trees[n], tree_nodes=m))
-                        for n, d in tree_drafters.items() for m in tree_sizes for b in args.batch_sizes]
+                        for n, d in tree_drafters.items() for m in tree_sizes for b in batches]
     methods += [("hf_eager", lambda pr: hf(pr))]
     methods += [(f"hf_spec:{n}", lambda pr, d=d: hf(pr, assistant_model=d)) for n, d in drafters.items()]
     if args.lookup:  # our generate() path with context lookup (copies loops from the context)
@@ -367,7 +381,8 @@ def main():
             not_covered["cuda_graphs"] = "engine rows ran eagerly; --cuda_graphs replays greedy rounds as CUDA graphs"
         summary = {"command": " ".join(["python"] + sys.argv), "environment": environment(),
                    "max_new_tokens": args.max_new_tokens, "temperature": T, "warmup": args.warmup,
-                   "cuda_graphs": args.cuda_graphs, "compile": args.compile, "passes": args.passes, "results": rows,
+                   "cuda_graphs": args.cuda_graphs, "compile": args.compile, "passes": args.passes,
+                   "batching": args.batching, "results": rows,
                    "not_covered": not_covered}
         (out_dir / "bench.json").write_text(json.dumps(summary, indent=2))
         lines = ["| dataset | method | tok/s | τ | × hf_eager | × engine_ar@1 | mode |",

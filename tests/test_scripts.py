@@ -326,6 +326,38 @@ def test_benchmark_passes_alternate_and_report_the_median(tmp_path):
                         "--out", str(tmp_path / "x")], check=True, env=env, capture_output=True, cwd=tmp_path)
 
 
+def test_benchmark_continuous_rows(tmp_path):
+    """--batching continuous: engine rows serve the dataset through b rows refilled as they finish; named @<b>c, paired
+    with engine_ar@<b>c as their own AR row, and (fp32, greedy) the same tokens and τ as static batches of the same
+    size, measured in the same run (one process: the shapes are shared)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from benchmark import load_target
+    from results_tables import bench_table
+
+    target = load_target("tiny", torch.float32, "cpu")
+    build_drafter(target, "dflash", True).save_pretrained(tmp_path / "drafter")
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "mtbench.jsonl").write_text("".join(json.dumps({"id": i, "input_ids": [3 + i, 7, 11][: 1 + i % 3]})
+                                                   + "\n" for i in range(5)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "benchmark.py"), "--target", "tiny", "--drafters",
+                    f"m={tmp_path / 'drafter'}", "--datasets", "mtbench", "--prompts_dir", str(prompts),
+                    "--max_new_tokens", "9", "--methods", "engine_ar", "engine", "engine_lookup", "--lookup", "3",
+                    "--batch_sizes", "2", "--batching", "static", "continuous", "--out", str(out)], check=True,
+                   env=env, capture_output=True, cwd=tmp_path)
+    summary = json.loads((out / "bench.json").read_text())
+    assert summary["batching"] == ["static", "continuous"]
+    by = {r["method"]: r for r in summary["results"]}
+    static = {"engine_ar@2", "engine:m@2", "engine_lookup:m@2"}
+    assert set(by) == static | {m + "c" for m in static}
+    for m in static:
+        assert (by[m + "c"]["tokens"], by[m + "c"]["tau"]) == (by[m]["tokens"], by[m]["tau"]), m
+    line = next(x for x in bench_table([out / "bench_raw.jsonl"]).splitlines() if "engine:m@2c" in x)
+    assert f"{by['engine:m@2c']['tok_per_s'] / by['engine_ar@2c']['tok_per_s']:.2f}" in line  # × own AR: @2c
+
+
 def test_results_tables_gain_against_own_baseline(tmp_path):
     """The README's τ table: each Carryover row shows its gain over the baseline of the same drafter type."""
     sys.path.insert(0, str(ROOT / "examples"))

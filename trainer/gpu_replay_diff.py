@@ -77,7 +77,7 @@ def probe_cumsum(n, vocab, device):
 def snapshot(st) -> dict:
     """What one round left in the state, copied to the CPU (`.cpu()` alone would alias on a CPU run): exact values,
     so equality means bit-identical."""
-    col = int(st.round) - 1
+    col = int(st.round[0]) - 1
 
     def cp(t):
         return t.to("cpu", copy=True)

@@ -27,6 +27,7 @@ Sampling supports temperature only (no top-k/top-p/penalties yet); greedy needs 
 
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 import warnings
@@ -43,6 +44,16 @@ from .tree import (TreeSpec, accept_tree, check_tree, node_tokens, select_tree, 
 
 def _is_cuda(device) -> bool:
     return torch.device(device).type == "cuda"
+
+
+def _row_view(cache, r: int):
+    """A shallow copy of a static cache whose per-layer buffers are row r's views `[1, ...]` (writes land in the
+    batch's buffers): continuous batching prefills one row while the others keep their state."""
+    view = copy.copy(cache)
+    for name in ("k", "v", "keys", "values"):
+        if hasattr(cache, name):
+            setattr(view, name, [buf[r : r + 1] for buf in getattr(cache, name)])
+    return view
 
 
 def _is_eos(tokens, eos):
@@ -69,13 +80,15 @@ class DecodeState:
         # accepted drafts per row and round (-1 where the row was already done); an active row emits >= 1 token
         # a round and starts with 1, so at most max_new - 1 rounds run
         self.accepted = zeros(b, max(max_new, 1))
-        self.round = zeros()  # device-side round counter, the column of `accepted` to write
+        self.round = zeros(b)  # per row: rounds since its prompt was loaded, the column of `accepted` to write
         self.seq = zeros(b, seq_len)  # committed tokens at their positions (prompt, anchor, emitted): for lookup
         self.looked = zeros(b, max(max_new, 1), dtype=torch.bool)  # per row and round: proposals came from lookup
         # the next round's context lookup, computed at the end of the previous round (or after the prefill), so that
         # the host learns whether that round needs the drafter from the same read that tells it whether to go on
         self.look, self.n_look = zeros(b, k), zeros(b)
-        self.flags = zeros(2, dtype=torch.bool)  # [every row done, every unfinished row looks up]: read once a round
+        # [every row done, every unfinished row looks up, row 0 done, ..., row b-1 done]: the one read of a round (the
+        # per-row flags tell continuous batching which rows to refill)
+        self.flags = zeros(2 + b, dtype=torch.bool)
         self.eos = zeros(n_eos)
         self.carry = zeros(b, k, n_feat, dtype=feat_dtype) if n_feat else None  # last verification's rows 1..k
         self.carry_valid = zeros(b, k, dtype=torch.bool)
@@ -97,7 +110,7 @@ class DecodeState:
         self.n_out.fill_(1)
         self.eos.copy_(eos)
         self.done.copy_(_is_eos(anchor, self.eos) | (self.n_out >= self.max_new))
-        self.flags.copy_(torch.stack([self.done.all(), torch.zeros_like(self.done[0])]))
+        self.set_flags(torch.zeros_like(self.done[0]))
         self.look.zero_()
         self.n_look.zero_()
         self.accepted.fill_(-1)
@@ -106,6 +119,32 @@ class DecodeState:
             self.carry.zero_()
             self.carry_valid.zero_()
             self.carry_pos.copy_(self.anchor_pos[:, None] + torch.arange(1, self.k + 1, device=plen.device))
+
+    def reset_row(self, r: int, anchor, plen: int, prompt) -> None:
+        """Load a new prompt into row r alone (continuous batching: the row's previous request has finished and been
+        read out): its part of `reset`. `anchor` is a 0-d token tensor, `prompt` `[plen]` the prompt's ids. The other
+        rows are untouched; the caller refreshes `flags` (and the lookup) afterwards."""
+        self.seq[r, :plen].copy_(prompt)
+        self.seq[r, plen] = anchor
+        self.looked[r] = False
+        self.anchor[r] = anchor
+        self.anchor_pos[r] = plen
+        self.out[r] = 0
+        self.out[r, 0] = anchor
+        self.n_out[r] = 1
+        self.done[r] = _is_eos(anchor, self.eos) | (self.max_new <= 1)
+        self.look[r] = 0
+        self.n_look[r] = 0
+        self.accepted[r] = -1
+        self.round[r] = 0
+        if self.carry is not None:
+            self.carry[r] = 0
+            self.carry_valid[r] = False
+            self.carry_pos[r] = plen + torch.arange(1, self.k + 1, device=self.carry_pos.device)
+
+    def set_flags(self, all_look: torch.Tensor) -> None:
+        """`flags` from `done` and the lookup flag (a 0-d bool tensor), in place (also inside a round)."""
+        self.flags.copy_(torch.cat([torch.stack([self.done.all(), all_look]), self.done]))
 
     def draw(self, gen: torch.Generator) -> None:
         """This round's uniforms from the call's generator (eager, before the round or its graph replay)."""
@@ -365,7 +404,7 @@ class SpeculativeEngine:
             st.seq.scatter_(1, at, torch.where(keep, emitted, st.seq.gather(1, at)))
         if a_log is None:  # tokens kept minus one; a round with no room for a draft is no draft round, as above
             a_log = torch.where(st.max_new - n_out - 1 > 0, keep.sum(1) - 1, torch.full_like(a, -1))
-        col = st.round.clamp(max=st.accepted.shape[1] - 1).expand(st.b, 1)  # [b, 1]: this round's column
+        col = st.round.clamp(max=st.accepted.shape[1] - 1)[:, None]  # [b, 1]: each row's column for this round
         st.accepted.scatter_(1, col, torch.where(done, torch.full_like(a, -1), a_log)[:, None])
         if lookup:  # `looked` has `accepted`'s shape: the same column
             st.looked.scatter_(1, col, (hit & ~done)[:, None])
@@ -376,8 +415,7 @@ class SpeculativeEngine:
         st.anchor.copy_(torch.where(new_done, st.anchor, nxt))
         st.n_out.copy_(new_n_out)
         st.done.copy_(new_done)
-        all_look = self._lookup_next(st, lookup) if lookup else torch.zeros_like(new_done[0])
-        st.flags.copy_(torch.stack([new_done.all(), all_look]))
+        st.set_flags(self._lookup_next(st, lookup) if lookup else torch.zeros_like(new_done[0]))
 
     def _tree_round(self, st: DecodeState, tree: TreeSpec, lookup=0, nodes=None):
         """One greedy round that verifies a draft tree (`tree.py`; static or chosen per row), not the linear block.
@@ -433,57 +471,95 @@ class SpeculativeEngine:
     # ------------------------------------------------------------------ loop
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens=256, do_sample=False, temperature=1.0, eos_token_id=None, seed=0,
-                 prompt_lookup_num_tokens=None, tree=None, tree_nodes=None):
-        """prompts: list of token-id lists. Returns a list of generated token lists (prompt excluded).
+                 prompt_lookup_num_tokens=None, tree=None, tree_nodes=None, batch_size=None):
+        """prompts: list of token-id lists. Returns a list of generated token lists (prompt excluded), in prompt order.
 
         prompt_lookup_num_tokens=N: context lookup (module docstring), transformers' argument name as in the
         generate() path; with a drafter it proposes at most its block, without one N tokens a round. After the call
-        `self.lookup_rounds` holds, per row, which logged rounds proposed looked-up tokens.
+        `self.lookup_rounds` holds, per prompt, which logged rounds proposed looked-up tokens.
 
         tree: a `TreeSpec` or a list of rank paths (`tree.py`): every round verifies that draft tree instead of the
         linear block (greedy, DFlash drafters). Output is still the target's greedy output; `self.rounds` then
         logs, per round, the tokens emitted minus one, so `tau` is tokens per verification. tree_nodes=N: each row
         verifies only the N nodes of `tree` its drafter finds likeliest that round (a dynamic tree; `tree` is then
-        the superset, e.g. a calibrated one from `examples/calibrate_tree.py`)."""
+        the superset, e.g. a calibrated one from `examples/calibrate_tree.py`).
+
+        batch_size=b (continuous batching): decode the prompts through b rows; as soon as a row's prompt finishes,
+        its output is read out and the next waiting prompt is prefilled into that row alone, while the other rows go
+        on (rows are independent: a row's output and rounds do not depend on what the other rows hold, tested). Why:
+        with one static batch the call lasts as long as its slowest row, and speculative rows finish at very
+        different rounds (their τ differs by prompt), so the rows that finish early would sit idle. None: all
+        prompts in one batch. The refill's prefill runs eagerly at batch 1, outside the captured round."""
         lookup = 0
         if prompt_lookup_num_tokens is not None:
             if int(prompt_lookup_num_tokens) < 1:
                 raise ValueError(f"prompt_lookup_num_tokens={prompt_lookup_num_tokens}: a lookup proposes at least "
                                  "one token (None: off).")
             lookup = int(prompt_lookup_num_tokens)
+        if batch_size is not None and int(batch_size) < 1:
+            raise ValueError(f"batch_size={batch_size}: at least one row (None: every prompt in one batch).")
+        if not prompts:
+            raise ValueError("generate() needs at least one prompt.")
         t = self.target
         dev = next(t.parameters()).device
         dtype = next(t.parameters()).dtype
         gen = torch.Generator(device=dev).manual_seed(seed)
-        b = len(prompts)
-        plen = torch.tensor([len(p) for p in prompts], device=dev)
+        n = len(prompts)
+        b = n if batch_size is None else min(int(batch_size), n)
+        longest = max(len(p) for p in prompts)
         k = self.drafter.config.num_proposals if self.drafter is not None else lookup  # plain decoding: k = 0
-        if int(plen.max()) + max_new_tokens + k + 2 > self.max_len:
-            raise ValueError(f"max_len={self.max_len} is too small for prompts of {int(plen.max())} tokens + "
+        if longest + max_new_tokens + k + 2 > self.max_len:
+            raise ValueError(f"max_len={self.max_len} is too small for prompts of {longest} tokens + "
                              f"{max_new_tokens} new tokens + a block of {k}.")
         eos = eos_tensor(eos_token_id).to(dev)
-        tree = check_tree(tree, self.drafter, do_sample, int(plen.max()) + max_new_tokens, self.max_len, tree_nodes)
+        tree = check_tree(tree, self.drafter, do_sample, longest + max_new_tokens, self.max_len, tree_nodes)
         st = self._state(b, k, max_new_tokens, eos.numel(), dev, dtype)
+
+        def first_token(last):  # [r, V] logits at each prompt's end -> its first generated token [r]
+            if do_sample:
+                return inverse_cdf((last / temperature).softmax(-1), torch.rand(last.shape[0], generator=gen,
+                                                                                  device=dev))
+            return last.argmax(-1)
 
         # prefill (eager: its width depends on the prompts): prompts left-aligned at position 0; positions past
         # a row's prompt hold padding for now, overwritten by that row's rounds before any query can see them
+        plen = torch.tensor([len(p) for p in prompts[:b]], device=dev)
         width = int(plen.max())
         toks = torch.zeros(b, width, dtype=torch.long, device=dev)
-        for r, p in enumerate(prompts):
+        for r, p in enumerate(prompts[:b]):
             toks[r, : len(p)] = torch.tensor(p, device=dev)
         pos = self._steps[:width][None].expand(b, -1)
         logits, feats = self._target_forward(st.cache, toks, pos)
-        last = logits[torch.arange(b, device=dev), plen - 1]
-        if do_sample:
-            anchor = inverse_cdf((last / temperature).softmax(-1), torch.rand(b, generator=gen, device=dev))
-        else:
-            anchor = last.argmax(-1)
+        anchor = first_token(logits[torch.arange(b, device=dev), plen - 1])
         if self.drafter is not None:
             st.dcache.write(self.drafter, self.drafter.fuse(feats), pos)
         st.reset(anchor, plen, eos, toks)
         st.temperature.fill_(temperature)
         if lookup:  # the first round's lookup (later rounds compute the next one's at their end)
             st.flags[1] = self._lookup_next(st, lookup)
+
+        def refill(r, p):  # continuous batching: prompt p into row r alone (views of row r of both caches)
+            x = torch.tensor([p], device=dev)  # [1, plen]
+            xpos = self._steps[: len(p)][None]
+            cache = _row_view(st.cache, r)
+            logits, feats = self._target_forward(cache, x, xpos)
+            if self.drafter is not None:
+                _row_view(st.dcache, r).write(self.drafter, self.drafter.fuse(feats), xpos)
+            st.reset_row(r, first_token(logits[:, -1])[0], len(p), x[0])
+
+        outputs, rounds, looked = [None] * n, [None] * n, [None] * n
+        slot = list(range(b))  # the prompt each row decodes (None: idle, its output read out)
+        waiting = list(range(b, n))
+
+        def read_out(rows):  # finished rows' outputs and round logs, one transfer for all of them
+            idx = torch.tensor(rows, device=dev)
+            out, n_out, acc, lk, rnd = (x[idx].tolist() for x in (st.out, st.n_out, st.accepted, st.looked, st.round))
+            for j, r in enumerate(rows):
+                i, cols = slot[r], min(rnd[j], st.accepted.shape[1])
+                outputs[i] = out[j][: n_out[j]]
+                rounds[i] = [x for x in acc[j][:cols] if x >= 0]
+                looked[i] = [q for x, q in zip(acc[j][:cols], lk[j][:cols]) if x >= 0]
+                slot[r] = None
 
         # round variants: drafted (True) and, with lookup and a drafter, one that skips the drafter (False)
         skip_ok = bool(lookup) and self.drafter is not None and self.lookup_skips_drafter and tree is None
@@ -497,7 +573,17 @@ class SpeculativeEngine:
         clock = _Clock(self.profile, dev, self.timing)
         self.skipped_drafts = 0
         while True:
-            all_done, all_look = st.flags.tolist()  # the one host sync per round (outputs stay on the device)
+            flags = st.flags.tolist()  # the one host sync per round (outputs stay on the device)
+            all_done, all_look, row_done = flags[0], flags[1], flags[2:]
+            if waiting:  # continuous batching: read out finished rows and give them the next prompts
+                finished = [r for r in range(b) if row_done[r] and slot[r] is not None]
+                if finished:
+                    read_out(finished)
+                    for r in finished[: len(waiting)]:
+                        slot[r] = waiting.pop(0)
+                        refill(r, prompts[slot[r]])
+                    st.set_flags(self._lookup_next(st, lookup) if lookup else torch.zeros_like(st.done[0]))
+                    continue
             if all_done:
                 break
             draft = not (skip_ok and all_look)
@@ -512,12 +598,9 @@ class SpeculativeEngine:
                 step(st, do_sample, clock, lookup, draft)
             if self.round_hook is not None:
                 self.round_hook(st)
-        log = st.accepted[:, : int(st.round)].tolist()
-        self.rounds = [[x for x in row if x >= 0] for row in log]
-        looked = st.looked[:, : int(st.round)].tolist()
-        self.lookup_rounds = [[lk for x, lk in zip(row, lr) if x >= 0] for row, lr in zip(log, looked)]
-        n_out = st.n_out.tolist()
-        return [row[:n] for row, n in zip(st.out.tolist(), n_out)]
+        read_out([r for r in range(b) if slot[r] is not None])
+        self.rounds, self.lookup_rounds = rounds, looked
+        return outputs
 
     def _round_fn(self, do_sample, tree=None):
         """The compiled round where it applies (greedy or sampled; not when profiling: the clock's syncs would split

@@ -1,0 +1,132 @@
+"""Continuous batching in the fast engine (`generate(..., batch_size=b)`, CPU, eager): a prompt's output and rounds do
+not depend on which rows it shared the batch with or when it was loaded, and sampling still follows the target."""
+
+import pytest
+import torch
+from conftest import build_drafter, build_target
+from test_engine import _greedy_refs, _prompts, _trained_setup
+from test_sampling import ALPHA, NEW, PROMPT, VOCAB16, _drafter, _pvalues, _target
+
+from hf_carryover.engine.engine import SpeculativeEngine
+from hf_carryover.engine.tree import TreeSpec
+
+WIDE = TreeSpec([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0)])
+
+
+def _alone(engine, prompts, **kw):
+    """Each prompt in a call of its own: outputs, rounds and lookup flags (the reference for every batching)."""
+    outs, rounds, looked = [], [], []
+    for p in prompts:
+        outs += engine.generate([p], **kw)
+        rounds += engine.rounds
+        looked += engine.lookup_rounds
+    return outs, rounds, looked
+
+
+@pytest.mark.parametrize("typ,carryover,extra", [
+    (None, False, {}),
+    ("dflash", True, {}),
+    ("markov", True, {}),
+    ("dflash", False, {"prompt_lookup_num_tokens": 4}),
+    ("dflash", True, {"prompt_lookup_num_tokens": 4}),
+    (None, False, {"prompt_lookup_num_tokens": 3}),
+    ("dflash", True, {"tree": WIDE, "tree_nodes": 5}),
+])
+def test_continuous_batching_equals_each_prompt_alone(typ, carryover, extra):
+    """Seven prompts of mixed lengths (the longest first, so refilled rows run over stale cache positions) through 3
+    rows, with an EOS that ends some rows early: every prompt's output is plain greedy decoding's, and its rounds (and
+    lookup flags) are the ones it gets in a call of its own."""
+    target, drafter, prompts, max_new, _ = _trained_setup(typ or "dflash", carryover, steps=60)
+    drafter = drafter if typ == "dflash" or typ is None else build_drafter(target, typ, carryover)
+    drafter = drafter if typ else None
+    prompts = _prompts(7, (13, 3, 9, 1, 6, 11, 4)) + prompts[:1]
+    eos = _greedy_refs(target, prompts[:1], 12)[0][11]  # a token prompt 0 emits at step 12
+    kw = dict(max_new_tokens=max_new, eos_token_id=eos, **extra)
+    engine = SpeculativeEngine(target, drafter, max_len=96)
+    refs = _greedy_refs(target, prompts, max_new, eos=eos)
+    assert len(refs[0]) <= 12 < max_new
+    alone = _alone(engine, prompts, **kw)
+    assert alone[0] == refs
+    for b in (3, 1, len(prompts) + 4):
+        out = engine.generate(prompts, batch_size=b, **kw)
+        assert (out, engine.rounds, engine.lookup_rounds) == alone, b
+        if typ is not None or extra:
+            assert sum(map(len, engine.rounds)) > 0
+
+
+def test_continuous_batching_refills_as_rows_finish():
+    """The number of rounds of a continuous call: less than serving the same prompts in static batches of the same
+    size, because a row that finishes early is given the next prompt instead of idling until the batch's slowest
+    row ends (here: budgets of very different length through an EOS)."""
+    target = build_target("llama", seed=5)
+    engine = SpeculativeEngine(target, None, max_len=96)
+    prompts = _prompts(8, (3, 5, 2, 7, 4, 6))
+    free = _greedy_refs(target, prompts, 40)
+    eos = free[0][2]  # ends prompt 0 (and maybe others) early
+    calls = []
+    engine.round_hook = lambda st: calls.append(1)
+    engine.generate(prompts, max_new_tokens=40, eos_token_id=eos, batch_size=2)
+    continuous = len(calls)
+    calls.clear()
+    for i in range(0, len(prompts), 2):
+        engine.generate(prompts[i : i + 2], max_new_tokens=40, eos_token_id=eos)
+    static = len(calls)
+    lengths = [len(r) for r in _greedy_refs(target, prompts, 40, eos=eos)]
+    assert min(lengths) < 10 and max(lengths) == 40
+    assert continuous < static
+    # 2 rows cannot emit more than 2 tokens a round: at least half the tokens' worth of rounds (minus prefills' tokens)
+    assert continuous >= (sum(lengths) - len(prompts)) / 2
+
+
+def test_continuous_sampling_matches_target_distribution():
+    """Chi-square tests at alpha = 0.001 as in test_engine.py: 2000 requests through 48 rows (each row serves ~40
+    prompts one after another, its refill sampling the first token) against the target's own sampling."""
+    n = 2000
+    target = _target()
+    drafter = _drafter(target, "dflash")
+    torch.manual_seed(11)
+    plain = target.generate(PROMPT.repeat(n, 1), max_new_tokens=NEW, do_sample=True, top_k=0)[:, PROMPT.shape[1]:]
+    engine = SpeculativeEngine(target, drafter, max_len=32)
+    spec = engine.generate([PROMPT[0].tolist()] * n, max_new_tokens=NEW, do_sample=True, seed=12, batch_size=48)
+    assert len(spec) == n and all(len(s) == NEW for s in spec)
+    rejected = sum(a < drafter.config.num_proposals for rows in engine.rounds for a in rows)
+    assert rejected > n // 4, "rejections must be frequent for the test to mean anything"
+    pvals = _pvalues([tuple(s) for s in spec], [tuple(s) for s in plain.tolist()])
+    assert min(pvals.values()) > ALPHA, pvals
+    assert max(max(s) for s in spec) < VOCAB16
+
+
+def test_batch_size_errors():
+    target = build_target("llama")
+    engine = SpeculativeEngine(target, None, max_len=64)
+    with pytest.raises(ValueError, match="batch_size=0"):
+        engine.generate([[1, 2]], batch_size=0)
+    with pytest.raises(ValueError, match="at least one prompt"):
+        engine.generate([], batch_size=2)
+
+
+def test_reset_row_loads_one_row_as_reset_loads_all():
+    """`DecodeState.reset_row` leaves row r exactly as `reset` leaves a row with that prompt (whatever a finished
+    request left there: stale carryover rows, lookup, round counters) and touches no other row."""
+    target = build_target("llama")
+    engine = SpeculativeEngine(target, build_drafter(target, "dflash", True), max_len=64)
+    engine.generate(_prompts(9, (5, 8)), max_new_tokens=10, prompt_lookup_num_tokens=3)
+    (st,) = engine._states.values()
+    g = torch.Generator().manual_seed(0)
+    own = st.tensors()[:15]  # the state's own tensors (the caches follow)
+    for t in own:  # garbage everywhere, as a finished request might leave it
+        t.copy_(torch.randint(0, 2, t.shape, generator=g).to(t.dtype) if t.dtype == torch.bool else
+                torch.randint(1, 50, t.shape, generator=g).to(t.dtype))
+    before = [t.clone() for t in own]
+    prompt = torch.tensor([4, 9, 2, 7])
+    st.reset_row(1, torch.tensor(11), 4, prompt)
+    fresh = [t.clone() for t in own]
+    st.reset(torch.tensor([3, 11]), torch.tensor([2, 4]), st.eos.clone(), torch.stack([torch.tensor([5, 6, 0, 0]),
+                                                                                     prompt]))
+    for name, new, old, ref in zip("anchor anchor_pos n_out done out accepted round carry_valid carry_pos seq looked "
+                                   "look n_look flags carry".split(), fresh, before, own):
+        assert torch.equal(new[0], old[0]), name  # the other row: untouched
+        if name == "seq":
+            new, ref = new[:, :5], ref[:, :5]  # the prompt and the first token; past them nothing is read yet
+        if name != "flags":  # flags are per batch: the caller refreshes them
+            assert torch.equal(new[1], ref[1]), name
