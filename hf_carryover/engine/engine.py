@@ -27,7 +27,6 @@ Sampling supports temperature only (no top-k/top-p/penalties yet); greedy needs 
 
 from __future__ import annotations
 
-import copy
 import inspect
 import time
 import warnings
@@ -36,6 +35,7 @@ import torch
 
 from ..generation_carryover import accepted_as_generate_counts, batched_context_lookup, eos_tensor
 from .graphs import capture_round
+from .refill import RowPrefill
 from .sampling import inverse_cdf, point_mass, running_mass
 from .static_cache import DrafterStaticCache, TargetStaticCache
 from .tree import (TreeSpec, accept_tree, check_tree, node_tokens, select_tree, static_tree, tree_mask,
@@ -44,16 +44,6 @@ from .tree import (TreeSpec, accept_tree, check_tree, node_tokens, select_tree, 
 
 def _is_cuda(device) -> bool:
     return torch.device(device).type == "cuda"
-
-
-def _row_view(cache, r: int):
-    """A shallow copy of a static cache whose per-layer buffers are row r's views `[1, ...]` (writes land in the
-    batch's buffers): continuous batching prefills one row while the others keep their state."""
-    view = copy.copy(cache)
-    for name in ("k", "v", "keys", "values"):
-        if hasattr(cache, name):
-            setattr(view, name, [buf[r : r + 1] for buf in getattr(cache, name)])
-    return view
 
 
 def _is_eos(tokens, eos):
@@ -225,6 +215,7 @@ class SpeculativeEngine:
         self._caches: dict = {}  # b -> (TargetStaticCache, DrafterStaticCache | None)
         self._states: dict = {}  # (b, k, cap, n_eos) -> DecodeState
         self._graphs: dict = {}  # (b, k, cap, n_eos) -> CUDAGraph, or the error text of a failed capture
+        self._prefills: dict = {}  # (b, graphs?) -> RowPrefill (continuous batching's row refill)
 
     # ------------------------------------------------------------------ static buffers
     def _state(self, b, k, max_new, n_eos, dev, dtype) -> DecodeState:
@@ -489,7 +480,8 @@ class SpeculativeEngine:
         on (rows are independent: a row's output and rounds do not depend on what the other rows hold, tested). Why:
         with one static batch the call lasts as long as its slowest row, and speculative rows finish at very
         different rounds (their τ differs by prompt), so the rows that finish early would sit idle. None: all
-        prompts in one batch. The refill's prefill runs eagerly at batch 1, outside the captured round."""
+        prompts in one batch. A refill prefills its row through a batch-1 staging cache (`refill.py`), one captured
+        graph per prompt-width bucket when the rounds are captured."""
         lookup = 0
         if prompt_lookup_num_tokens is not None:
             if int(prompt_lookup_num_tokens) < 1:
@@ -538,14 +530,8 @@ class SpeculativeEngine:
         if lookup:  # the first round's lookup (later rounds compute the next one's at their end)
             st.flags[1] = self._lookup_next(st, lookup)
 
-        def refill(r, p):  # continuous batching: prompt p into row r alone (views of row r of both caches)
-            x = torch.tensor([p], device=dev)  # [1, plen]
-            xpos = self._steps[: len(p)][None]
-            cache = _row_view(st.cache, r)
-            logits, feats = self._target_forward(cache, x, xpos)
-            if self.drafter is not None:
-                _row_view(st.dcache, r).write(self.drafter, self.drafter.fuse(feats), xpos)
-            st.reset_row(r, first_token(logits[:, -1])[0], len(p), x[0])
+        def refill(r, p):  # continuous batching: prompt p into row r alone (`refill.py`; captured like the rounds)
+            st.reset_row(r, first_token(prefill(r, p))[0], len(p), torch.tensor(p, device=dev))
 
         outputs, rounds, looked = [None] * n, [None] * n, [None] * n
         slot = list(range(b))  # the prompt each row decodes (None: idle, its output read out)
@@ -567,6 +553,11 @@ class SpeculativeEngine:
         for draft in (True, False) if skip_ok else (True,):
             graphs[draft], modes[draft] = self._graph(st, dev, do_sample, lookup, draft, tree, tree_nodes)
         self.last_mode = modes[True]
+        if n > b:  # continuous batching: the row prefill, with graphs when the rounds have them
+            key = (b, graphs[True] is not None)
+            if key not in self._prefills:
+                self._prefills[key] = RowPrefill(self, st, use_graphs=key[1])
+            prefill = self._prefills[key]
         step = self._round_fn(do_sample, tree)
         if graphs[True] is None and step in (self._compiled_round, self._compiled_tree_round) and step is not None:
             self.last_mode += " +compile"

@@ -1,0 +1,104 @@
+"""Prefill of one row while the other rows keep decoding: the refill step of continuous batching.
+
+Why a module of its own: an eager HF forward of a small target is launch-bound. Refilled eagerly, a row cost about
+19 ms on the H200 with SmolLM2-135M (the extra time of the continuous AR row over the static one, over 24 refills;
+about nine batch-8 decoding steps), which made continuous batching slower than static batches
+(examples/results/h200-2026-12-01g, call 6). Here the prompt is padded to a width bucket (a multiple of
+`WIDTH_ALIGN`), run through a batch-1 *staging* cache, and its K/V (and the drafter's context K/V) are copied into
+the batch's row `row`, a device tensor; so one CUDA graph per width bucket serves every row and every prompt of
+that bucket, replayed like a round.
+
+Padding is harmless for the same reason stale cache rows are (`static_cache.py`): the pad tokens sit after the
+prompt, so causal attention keeps them out of every prompt position's output, and their K/V land at positions at or
+past the row's anchor, which no query sees before the row's own rounds overwrite them. Only the last prompt
+position's logits are computed (`logits_to_keep`), not a `[W, vocab]` block.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ..modeling_drafter import DrafterStaticCache
+from .graphs import capture_round
+from .static_cache import TargetStaticCache
+
+WIDTH_ALIGN = 64  # prompt widths are padded up to a multiple of this: one captured graph per bucket
+
+
+class RowPrefill:
+    """Staging caches (batch 1) and one graph per width bucket for refilling rows of the batch-b caches (which every
+    `DecodeState` of batch b shares, so one RowPrefill serves them all)."""
+
+    def __init__(self, engine, st, use_graphs: bool):
+        tc, dev = engine.target.config.get_text_config(), st.anchor.device
+        big = st.cache.k[0]  # [b, kv_heads, max_len, head_dim]
+        self.engine, self.st, self.use_graphs = engine, st, use_graphs
+        self.cache = TargetStaticCache(tc.num_hidden_layers, 1, big.shape[1], big.shape[2], big.shape[3], big.dtype,
+                                       dev, engine._steps)
+        self.dcache = None
+        if st.dcache is not None:
+            dk = st.dcache.keys[0]
+            self.dcache = DrafterStaticCache(len(st.dcache.keys), 1, dk.shape[1], dk.shape[2], dk.shape[3], dk.dtype,
+                                             dev)
+        self.row = torch.zeros(1, dtype=torch.long, device=dev)  # the batch row to fill
+        self.last = torch.zeros(1, dtype=torch.long, device=dev)  # the prompt's last position (its logits)
+        self.tokens: dict[int, torch.Tensor] = {}  # width -> [1, width] padded prompt
+        self.logits: dict[int, torch.Tensor] = {}  # width -> [1, vocab] float32 logits at `last`
+        self.graphs: dict[int, object] = {}  # width -> CUDAGraph, or None where capture failed (eager)
+
+    def width(self, n: int) -> int:
+        return min(-(-n // WIDTH_ALIGN) * WIDTH_ALIGN, self.engine.max_len)
+
+    def _fill(self, w: int) -> None:
+        """Staging forward of the `w`-wide padded prompt, then its rows copied into batch row `row` (in place)."""
+        eng, st = self.engine, self.st
+        pos = eng._steps[:w][None]  # [1, w]
+        self.cache.positions = pos
+        out = eng.target(input_ids=self.tokens[w], position_ids=pos, attention_mask=self.cache.causal_mask(pos),
+                         use_cache=True, output_hidden_states=eng.drafter is not None, logits_to_keep=self.last,
+                         **{eng._cache_kw: self.cache})
+        self.logits[w].copy_(out.logits[:, -1].float())
+        pairs = list(zip(st.cache.k + st.cache.v, self.cache.k + self.cache.v))
+        if eng.drafter is not None:
+            feats = eng.drafter.target_features(out.hidden_states)
+            self.dcache.write(eng.drafter, eng.drafter.fuse(feats), pos)
+            pairs += list(zip(st.dcache.keys + st.dcache.values, self.dcache.keys + self.dcache.values))
+        for big, small in pairs:  # [b, h, L, d] <- [1, h, L, d], positions < w only
+            big.narrow(2, 0, w).index_copy_(0, self.row, small.narrow(2, 0, w))
+
+    def __call__(self, r: int, prompt: list[int]) -> torch.Tensor:
+        """Prefill `prompt` into batch row r (caches only; the caller resets the row's state). Returns the logits
+        `[1, vocab]` (float32) at the prompt's last position, from which the row's first token is chosen."""
+        w = self.width(len(prompt))
+        if w not in self.tokens:
+            self.tokens[w] = torch.zeros(1, w, dtype=torch.long, device=self.row.device)
+            self.logits[w] = torch.zeros(1, self.engine.target.config.get_text_config().vocab_size,
+                                         dtype=torch.float32, device=self.row.device)
+        padded = torch.zeros(1, w, dtype=torch.long)
+        padded[0, : len(prompt)] = torch.tensor(prompt)
+        self.tokens[w].copy_(padded)
+        self.row.fill_(r)
+        self.last.fill_(len(prompt) - 1)
+        if self.use_graphs and w not in self.graphs:
+            try:
+                # what `_fill` writes: the staging buffers and the batch's caches (shared by every state of batch b)
+                own = [self.row, self.last, self.tokens[w], self.logits[w]] + self.cache.k + self.cache.v
+                own += self.st.cache.k + self.st.cache.v
+                if self.dcache is not None:
+                    own += self.dcache.keys + self.dcache.values + self.st.dcache.keys + self.st.dcache.values
+                self.graphs[w] = capture_round(lambda: self._fill(w), own)
+            except Exception as e:  # noqa: BLE001  (as for rounds: a width that cannot be captured runs eagerly)
+                self.graphs[w] = None
+                warnings.warn(f"CUDA-graph capture of the row prefill (width {w}) failed; prefilling eagerly: "
+                              f"{type(e).__name__}: {e}", stacklevel=3)
+        graph = self.graphs.get(w) if self.use_graphs else None
+        if graph is not None:
+            graph.replay()
+        else:
+            self._fill(w)
+        return self.logits[w]
+
+
+__all__ = ["RowPrefill", "WIDTH_ALIGN"]
