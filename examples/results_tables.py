@@ -48,11 +48,13 @@ def tau_table(paths, baseline: str | None = None) -> str:
 
 
 def own_ar(method: str) -> str | None:
-    """The autoregressive row of the same engine family and batch size: engine:x@8 -> engine_ar@8, vllm_dflash:x@8
-    -> vllm_ar@8 (speedup is against plain decoding in the same engine, DESIGN.md §1)."""
+    """The autoregressive row of the same engine and batch size: engine:x@8, engine_lookup:x@8, engine_tree63:x@8c
+    -> engine_ar@8 (engine_ar@8c), vllm_dflash:x@8 -> vllm_ar@8 (speedup is against plain decoding in the same
+    engine, DESIGN.md §1)."""
     family, _, batch = method.partition("@")
-    ar = {"engine": "engine_ar", "vllm_dflash": "vllm_ar"}.get(family.split(":")[0])
-    return f"{ar}@{batch}" if ar and batch else None
+    family = family.split(":")[0]
+    ar = next((a for pre, a in (("engine", "engine_ar"), ("vllm_", "vllm_ar")) if family.startswith(pre)), None)
+    return f"{ar}@{batch}" if ar and batch and family != ar else None
 
 
 def bench_table(paths) -> str:

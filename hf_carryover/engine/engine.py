@@ -23,6 +23,8 @@ is plain autoregressive decoding (k = 0). A round reads and writes only the stat
 CUDA graph per round (`graphs.py`), greedy or sampled: a sampled round takes its uniforms from the state, drawn
 from the call's generator before each round, and turns them into tokens by inverse CDF (`inverse_cdf`).
 Sampling supports temperature only (no top-k/top-p/penalties yet); greedy needs no processors.
+Continuous batching (`generate(..., batch_size=b)`): more prompts than rows; the per-row done flags come back with the
+round's one read, and a finished row is read out and refilled with the next prompt (`refill.py`) between rounds.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Prefill of one row while the other rows keep decoding: the refill step of continuous batching.
 
-Why a module of its own: an eager HF forward of a small target is launch-bound. Refilled eagerly, a row cost about
-19 ms on the H200 with SmolLM2-135M (the extra time of the continuous AR row over the static one, over 24 refills;
-about nine batch-8 decoding steps), which made continuous batching slower than static batches
+Why a module of its own: an eager HF forward of a small target is launch-bound. Refilled eagerly, a row cost 16-19 ms
+on the H200 with SmolLM2-135M (the extra time of the continuous AR row over the static one, over 24 refills; eight or
+nine batch-8 decoding steps), which made continuous batching slower than static batches
 (examples/results/h200-2026-12-01g, call 6). Here the prompt is padded to a width bucket (a multiple of
 `WIDTH_ALIGN`), run through a batch-1 *staging* cache, and its K/V (and the drafter's context K/V) are copied into
 the batch's row `row`, a device tensor; so one CUDA graph per width bucket serves every row and every prompt of
