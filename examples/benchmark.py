@@ -98,7 +98,7 @@ def run_hf(target, prompts, max_new, temperature=0.0, static_rounds=None, tree=N
     record nothing (transformers' own DFlash path), from the number of target forwards: every forward after
     the prefill is one verification round, so τ = (new tokens - 1) / (forwards - 1) (the prefill's token
     excluded, as in our rounds; a round cut by max_new_tokens counts its emitted tokens only).
-    tree=(TreeSpec, nodes): the drafter verifies draft trees for this row (`drafter.use_draft_tree`)."""
+    tree=(TreeSpec, nodes, compile): the drafter verifies draft trees for this row (`drafter.use_draft_tree`)."""
     n_tok, secs, taus = 0, 0.0, []
     drafter = kw.get("assistant_model")
     if tree is not None:
@@ -212,7 +212,8 @@ def main():
     p.add_argument("--cuda_graphs", action="store_true", help="engine rows: replay each greedy round as a CUDA "
                    "graph (captured before timing); with --profile the engine stays eager to time its phases")
     p.add_argument("--compile", action="store_true", help="engine rows: torch.compile each round (with --cuda_graphs, "
-                   "the compiled round is captured); the mode column says 'cuda_graph+compile'")
+                   "the compiled round is captured); the mode column says 'cuda_graph+compile'. hf_spec_tree rows: "
+                   "drafter.use_draft_tree(..., compile=True)")
     p.add_argument("--random_drafter", action="store_true", help="add a random DFlash drafter built from the target "
                    "(timing projections, e.g. with --target qwen3-4b-random)")
     p.add_argument("--warmup", choices=["longest", "all"], default="longest",
@@ -317,7 +318,7 @@ def main():
         for lk in (None, args.lookup) if args.lookup else (None,):
             kind = "hf_spec_tree_lookup" if lk else "hf_spec_tree"
             methods += [(f"{kind}{'all' if m is None else m}:{n}",
-                         lambda pr, d=d, n=n, m=m, lk=lk: hf(pr, assistant_model=d, tree=(trees[n], m),
+                         lambda pr, d=d, n=n, m=m, lk=lk: hf(pr, assistant_model=d, tree=(trees[n], m, args.compile),
                                                              **({"prompt_lookup_num_tokens": lk} if lk else {})))
                         for n, d in tree_drafters.items() for m in tree_sizes]
     if device == "cuda":  # the same rows with the drafter's part eager on dynamic shapes (before static rounds)

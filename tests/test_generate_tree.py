@@ -102,6 +102,25 @@ def test_engine_is_kept_while_calls_fit_and_rebuilt_when_longer():
     assert drafter.__dict__["_hf_carryover_tree_engine"] is not longer
 
 
+def test_compile_option_compiles_the_engine_round_and_keeps_greedy_output(monkeypatch):
+    """use_draft_tree(compile=True): generate()'s engine runs its tree round through torch.compile, the output is still
+    plain greedy decoding's, and switching the option gets an engine built for it. torch.compile is replaced by a
+    recorder here (a real CPU compile takes ~40 s; `test_engine_tree.py` checks a compiled tree round against eager)."""
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(fn.__name__) or fn)
+    target = build_target("llama")
+    drafter = build_drafter(target, "dflash", True).use_draft_tree(WIDE, nodes=5)
+    prompt = _prompts(5, (6,))[0]
+    ref = _greedy_refs(target, [prompt], 12)[0]
+    assert _generate(target, drafter, prompt, 12) == ref
+    plain = drafter.__dict__["_hf_carryover_tree_engine"]
+    assert "compile" not in drafter.last_candidate_generator.mode
+    drafter.use_draft_tree(WIDE, nodes=5, compile=True)
+    assert _generate(target, drafter, prompt, 12) == ref
+    assert drafter.__dict__["_hf_carryover_tree_engine"] is not plain
+    assert drafter.last_candidate_generator.mode == "eager +compile" and compiled[-1] == "_tree_round"
+
+
 @pytest.mark.parametrize("case", ["sampling", "processor", "streamer", "dict", "short_block", "right_padding"])
 def test_calls_the_tree_path_cannot_serve_fall_back_with_a_warning(case):
     target = build_target("llama")
