@@ -91,9 +91,7 @@ def worker(rank, args, jobs):
     device, target, drafters = _setup(args)
     for d in drafters.values():  # each spec is its own drafter object: a tree spec's drafter keeps its tree
         if d._eval_tree:  # generate() verifies draft trees (main() allows tree specs at T=0 only: trees are greedy)
-            from hf_carryover.engine.tree import TreeSpec
-
-            d.use_draft_tree(TreeSpec.load(d._eval_tree["tree"]), d._eval_tree.get("tree_nodes"))
+            d.use_draft_tree(d._eval_tree["tree"], d._eval_tree.get("tree_nodes"))  # a file: use_draft_tree loads it
     out = open(Path(args.out) / f"raw-{rank}.jsonl", "a")
     for job in jobs[rank:: args.workers]:
         name, dataset, temp, pid, ids = job

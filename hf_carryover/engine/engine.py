@@ -92,47 +92,37 @@ class DecodeState:
         self.temperature = torch.ones((), dtype=torch.float32, device=device)
 
     def reset(self, anchor, plen, eos, prompt_tokens):
-        self.seq[:, : prompt_tokens.shape[1]].copy_(prompt_tokens)  # padding past a row's prompt: never read
-        self.seq.scatter_(1, plen[:, None], anchor[:, None])
-        self.looked.zero_()
-        self.anchor.copy_(anchor)
-        self.anchor_pos.copy_(plen)  # position of the first generated token
-        self.out.zero_()
-        self.out[:, 0] = anchor
-        self.n_out.fill_(1)
+        """Every row starts its prompt (after the call's prefill): `anchor` `[b]` first tokens, `plen` `[b]` prompt
+        lengths, `prompt_tokens` `[b, w]` (padding past a row's prompt: never read)."""
         self.eos.copy_(eos)
-        self.done.copy_(_is_eos(anchor, self.eos) | (self.n_out >= self.max_new))
+        self._load(slice(None), anchor, plen, prompt_tokens)
         self.set_flags(torch.zeros_like(self.done[0]))
-        self.look.zero_()
-        self.n_look.zero_()
-        self.accepted.fill_(-1)
-        self.round.zero_()
-        if self.carry is not None:  # nothing valid in the first round; any positions do
-            self.carry.zero_()
-            self.carry_valid.zero_()
-            self.carry_pos.copy_(self.anchor_pos[:, None] + torch.arange(1, self.k + 1, device=plen.device))
 
     def reset_row(self, r: int, anchor, plen: int, prompt) -> None:
         """Load a new prompt into row r alone (continuous batching: the row's previous request has finished and been
-        read out): its part of `reset`. `anchor` is a 0-d token tensor, `prompt` `[plen]` the prompt's ids. The other
-        rows are untouched; the caller refreshes `flags` (and the lookup) afterwards."""
-        self.seq[r, :plen].copy_(prompt)
-        self.seq[r, plen] = anchor
-        self.looked[r] = False
-        self.anchor[r] = anchor
-        self.anchor_pos[r] = plen
-        self.out[r] = 0
-        self.out[r, 0] = anchor
-        self.n_out[r] = 1
-        self.done[r] = _is_eos(anchor, self.eos) | (self.max_new <= 1)
-        self.look[r] = 0
-        self.n_look[r] = 0
-        self.accepted[r] = -1
-        self.round[r] = 0
-        if self.carry is not None:
-            self.carry[r] = 0
-            self.carry_valid[r] = False
-            self.carry_pos[r] = plen + torch.arange(1, self.k + 1, device=self.carry_pos.device)
+        read out), as `reset` loads every row. `anchor` is a 0-d token tensor, `prompt` `[plen]` the prompt's ids.
+        The other rows are untouched; the caller refreshes `flags` (and the lookup) afterwards."""
+        self._load(slice(r, r + 1), anchor.reshape(1), torch.full((1,), plen, device=self.anchor.device), prompt[None])
+
+    def _load(self, rows: slice, anchor, plen, prompt_tokens) -> None:
+        """The per-row part of `reset` for the rows `rows` (a slice, so every write is in place through a view)."""
+        self.seq[rows, : prompt_tokens.shape[1]].copy_(prompt_tokens)
+        self.seq[rows].scatter_(1, plen[:, None], anchor[:, None])
+        self.looked[rows] = False
+        self.anchor[rows] = anchor
+        self.anchor_pos[rows] = plen  # position of the first generated token
+        self.out[rows] = 0
+        self.out[rows, 0] = anchor
+        self.n_out[rows] = 1
+        self.done[rows] = _is_eos(anchor, self.eos) | (self.max_new <= 1)  # the first token may end the row
+        self.look[rows] = 0
+        self.n_look[rows] = 0
+        self.accepted[rows] = -1
+        self.round[rows] = 0
+        if self.carry is not None:  # nothing valid in the first round; any positions do
+            self.carry[rows] = 0
+            self.carry_valid[rows] = False
+            self.carry_pos[rows] = plen[:, None] + torch.arange(1, self.k + 1, device=plen.device)
 
     def set_flags(self, all_look: torch.Tensor) -> None:
         """`flags` from `done` and the lookup flag (a 0-d bool tensor), in place (also inside a round)."""
