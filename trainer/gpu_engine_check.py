@@ -19,6 +19,9 @@ the eager engine's tokens are also compared with plain greedy `target.generate` 
 With --lookup N every engine call uses context lookup (prompt_lookup_num_tokens=N); the eager reference engine then
 drafts in every round (`lookup_skips_drafter=False`) while the graph engines skip the drafter in rounds where every
 row looks up (their own captured variant), so exactness also covers that variant (`skipped_drafts` counts them).
+With --continuous, every engine (the eager one too) also decodes both prompt sets in one call through b rows
+(continuous batching: a finished row is refilled with the next prompt, `refill.py`; captured refills on the graph
+engines) and must give each prompt the tokens and rounds of the fp32 static reference (`<engine>_continuous_exact`).
 With --deterministic, PyTorch's deterministic algorithms (warn only) and a fixed cuBLAS workspace; bf16 rows record
 `graph_repeat_same_tokens` (a second identical call on the graph engine) either way.
 Every row records `mode` (`engine.last_mode`: "cuda_graph", or why it ran eagerly). Rows are written to --out as
@@ -118,6 +121,8 @@ def main():
                    "two prompt sets from")
     p.add_argument("--dataset", default="mtbench", help="the prompt file of --prompts_dir")
     p.add_argument("--lookup", type=int, default=None, help="context lookup of up to N tokens in every engine call")
+    p.add_argument("--continuous", action="store_true", help="fp32 rows: continuous batching (both prompt sets through "
+                   "b rows, refilled) against the static reference, per engine")
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True, "
                    "warn_only=True) and CUBLAS_WORKSPACE_CONFIG=:4096:8: does run-to-run or eager/replay variation go?")
     args = p.parse_args()
@@ -145,7 +150,7 @@ def main():
            "max_new_tokens": max_new, "target": args.target or "random SmolLM2-shaped",
            "drafter": args.drafter or "random dflash (Carryover on)",
            "prompts": f"{args.prompts_dir}/{args.dataset}" if real else "random tokens", "lookup": args.lookup,
-           "deterministic": args.deterministic,
+           "deterministic": args.deterministic, "continuous": args.continuous,
            "rows": []}
     lk = {"prompt_lookup_num_tokens": args.lookup} if args.lookup else {}  # every engine call
 
@@ -203,6 +208,18 @@ def main():
                             row.update({f"{tag}exact": not mismatches, f"{tag}mismatches": mismatches,
                                         f"{tag}mode": engine.last_mode, f"{tag}graphs": len(engine._graphs),
                                         f"{tag}skipped_drafts": engine.skipped_drafts})
+                        if args.continuous:  # both sets through b rows: refills, captured on the graph engines
+                            want = refs[0][0] + refs[1][0]
+                            want_rounds = refs[0][1] + refs[1][1]
+                            for name, engine in built.items():
+                                out = engine.generate(sets[0] + sets[1], max_new_tokens=max_new, eos_token_id=eos,
+                                                      batch_size=b, **lk)
+                                row[f"{name}_continuous_exact"] = out == want and engine.rounds == want_rounds
+                                row[f"{name}_continuous_first_diff_at"] = first_diff(want, out)
+                                row[f"{name}_continuous_rounds_equal"] = engine.rounds == want_rounds
+                                prefills = list(engine._prefills.values())
+                                row[f"{name}_continuous_refill_graphs"] = sum(
+                                    g is not None for pf in prefills for g in pf.graphs.values())
                         row["tau"] = eager.tau if kind == "dflash" else None
                         if real and b == 1:  # the engine against plain greedy decoding of the target itself
                             plain = [target.generate(torch.tensor([x], device=args.device), max_new_tokens=max_new,
@@ -280,6 +297,7 @@ def main():
                                           and r.get("eager_skip_exact", True)
                                           and r.get("eager_skip_sampled_same_tokens", True)
                                           and r.get("plain_greedy_exact", True)
+                                          and all(v for x, v in r.items() if x.endswith("_continuous_exact"))
                                           and r.get("graph_sampled_same_tokens", True) for r in rows)
     res["graphs_used"] = bool(rows) and all(r.get("mode", r.get("graph_mode")) == "cuda_graph" for r in rows)
     Path(args.out).write_text(json.dumps(res, indent=2))
