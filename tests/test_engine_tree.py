@@ -29,11 +29,13 @@ def test_tree_output_equals_plain_greedy(arch, carryover, lookup, nodes):
     assert sum(len(r) for r in engine.rounds) > 0
 
 
-def test_tree_with_a_good_drafter_equals_greedy_and_accepts_more():
+@pytest.mark.parametrize("carryover", [False, True])
+def test_tree_with_a_good_drafter_equals_greedy_and_accepts_more(carryover):
     """A drafter that is often right: long accepted paths (K/V moved past siblings), output still exact; the chain
-    tree reproduces the linear rounds exactly, and a wider tree (a superset of the chain) never accepts less per
-    round on these prompts, and here strictly more in total."""
-    target, drafter, prompts, max_new, refs = _trained_setup("dflash", False, steps=40)
+    tree reproduces the linear rounds exactly (for a Carryover drafter too: its tree rounds carry the rank-0 chain
+    below the accepted node, which on the chain tree are the linear round's rows), and a wider tree (a superset of
+    the chain) never accepts less per round on these prompts, and here strictly more in total."""
+    target, drafter, prompts, max_new, refs = _trained_setup("dflash", carryover, steps=40)
     engine = SpeculativeEngine(target, drafter, max_len=160)
     linear = engine.generate(prompts, max_new_tokens=max_new)
     linear_rounds = engine.rounds

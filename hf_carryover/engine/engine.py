@@ -403,15 +403,17 @@ class SpeculativeEngine:
     def _tree_round(self, st: DecodeState, tree: TreeSpec, lookup=0, nodes=None):
         """One greedy round that verifies a draft tree (`tree.py`; static or chosen per row), not the linear block.
 
-        The drafter drafts as usual (without carryover rows: their prefix is the rank-0 chain's, which the accepted
-        path may leave inside the tree); the tree's nodes take its top-ranked tokens; with `lookup`, a row's
+        The drafter drafts as usual, with the previous round's carryover states if it is a Carryover drafter
+        (`_tree_carry`); the tree's nodes take its top-ranked tokens; with `lookup`, a row's
         looked-up tokens replace the rank-0 chain's (the other nodes stay as alternatives). One target forward
         verifies all nodes; the accepted path's K/V and target features are moved to the positions after the
         anchor, so the caches end as after a linear verification of that path. `nodes` (a Python int): each row
         verifies the `nodes` nodes of `tree` its drafter finds likeliest (`tree.select_tree`); None: all of `tree`.
         No host sync, fixed shapes."""
         k, steps, b = st.k, self._steps, st.b
-        logits_d = self._draft_logits(st.dcache, st.anchor, st.anchor_pos, None, st.carry_pos, st.carry_valid[:, :0])
+        on = self.drafter.config.carryover
+        logits_d = self._draft_logits(st.dcache, st.anchor, st.anchor_pos, st.carry if on else None, st.carry_pos,
+                                      st.carry_valid if on else st.carry_valid[:, :0])
         lp, top = logits_d[:, : tree.max_depth].log_softmax(-1).topk(tree.max_rank, -1)  # [b, D, R] each
         hit = None
         if lookup:
@@ -440,7 +442,43 @@ class SpeculativeEngine:
         st.dcache.write(self.drafter, self.drafter.fuse(rows), st.anchor_pos[:, None] + steps[:m])
         drafts = block.gather(1, path[:, 1:m])  # [b, m-1]: the accepted path's tokens first
         drafts = torch.cat([drafts, drafts.new_zeros(b, k - drafts.shape[1])], 1)  # [b, k]
+        if on:  # before _commit moves the anchors: the carry rows sit right after this round's accepted path
+            self._tree_carry(st, t, feats, path, a)
         self._commit(st, drafts, a, nxt, None, lookup, hit)
+
+    def _tree_carry(self, st: DecodeState, t: dict, feats, path, a) -> None:
+        """The carryover states a tree round leaves for the next round: the target features of the rank-0 chain
+        below the deepest accepted node (its rank-0 child, that child's rank-0 child, ...), which the verify forward
+        computed and which the accepted path rejected.
+
+        Why that chain: in a linear round the carryover rows are the rejected rest of the drafted block, i.e. the
+        drafter's top-1 continuation of the accepted prefix, each row seen by the target after that prefix. In a
+        tree the same rows are the rank-0 descendants of the last accepted node (tree attention shows each node its
+        ancestors only, so their states are exactly those of a linear verification of the accepted path followed
+        by that chain). On the chain tree (`TreeSpec.chain`) they are the linear round's rows, so tree and linear
+        rounds stay equal round for round (tested). Rows past the length budget are left out, as a linear round
+        leaves out drafts generate() would not verify. Fixed shapes, no host sync: a chain shorter than k (the
+        accepted node has no rank-0 child in the tree) leaves the rest of the buffer invalid."""
+        k, steps, b = st.k, self._steps, st.b
+        parent, rank = t["parent"], t["rank"]  # [b, N+1] (root first)
+        n = parent.shape[1]
+        # child0[:, i] = node i's rank-0 child, n (a sentinel) where it has none; column n is the sentinel's own
+        child0 = torch.full((b, n + 1), n, dtype=torch.long, device=parent.device)
+        first = rank[:, 1:] == 0  # [b, N]: every node but the root is somebody's child; rank-0 ones are unique
+        ids = steps[1:n][None].expand(b, -1)  # [b, N]
+        child0.scatter_(1, torch.where(first, parent[:, 1:], n), torch.where(first, ids, n))
+        cur = path.gather(1, a[:, None])  # [b, 1]: the deepest accepted node
+        chain = []
+        for _ in range(k):  # a Python loop over the fixed k: one gather per depth below the accepted node
+            cur = child0.gather(1, cur)
+            chain.append(cur)
+        chain = torch.cat(chain, 1)  # [b, k], node ids or n
+        padded = torch.cat([feats, feats.new_zeros(b, 1, feats.shape[-1])], 1)  # [b, N+2, F]: the sentinel's row
+        st.carry.copy_(padded.gather(1, chain[..., None].expand(-1, -1, feats.shape[-1])))
+        depth = a[:, None] + 1 + steps[None, :k]  # [b, k]: chain node s is at depth a + 1 + s
+        budget = st.max_new - st.n_out - 1  # [b]: as in a linear round, only rows generate() would have verified
+        st.carry_valid.copy_((chain < n) & (depth <= budget[:, None]) & ~st.done[:, None])
+        st.carry_pos.copy_(st.anchor_pos[:, None] + depth)
 
     @staticmethod
     def _lookup_next(st: DecodeState, lookup: int) -> torch.Tensor:
