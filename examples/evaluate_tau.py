@@ -265,9 +265,10 @@ def main():
         run_file.write_text(json.dumps({"command": command, "environment": env}, indent=2))
     looked = [d for d in args.drafters if parse_spec(d)[3]]
     trees = [d for d in args.drafters if "tree" in parse_spec(d)[2]]
-    if trees and not args.summarize_only and (args.offline or any(t > 0 for t in args.temperatures)):
-        raise SystemExit(f"{trees}: draft trees (tree=FILE) are greedy only (--temperatures 0), through the engine "
-                         "(--engine) or generate(); the offline replay verifies linear blocks")
+    if trees and not args.summarize_only and (args.offline or (any(t > 0 for t in args.temperatures)
+                                                               and not args.engine)):
+        raise SystemExit(f"{trees}: draft trees (tree=FILE) run through the engine (--engine, any temperature) or "
+                         "generate() (greedy: --temperatures 0); the offline replay verifies linear blocks")
     if looked and args.offline:
         raise SystemExit(f"{looked}: context lookup (lookup=N) runs through generate() and the engine; the offline "
                          "replay has no lookup yet (examples/lookup_hybrid_offline.py replays it at T=0)")

@@ -198,7 +198,7 @@ def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: 
             lines += [f"\n### With a draft tree in the fast engine (`{setting}`)\n",
                       "hf_carryover's engine verifies, each round, the nodes of this folder's `draft_tree.json` "
                       "(calibrated "
-                      "on training responses) that the drafter finds likeliest, in one target forward (greedy only; "
+                      "on training responses) that the drafter finds likeliest, in one target forward (greedy rounds here; "
                       "`SpeculativeEngine.generate(..., tree=TreeSpec.from_pretrained(folder), tree_nodes=N)`, or "
                       "`drafter.use_draft_tree(nodes=N)` before `generate()`, which then runs these rounds). "
                       "τ is tokens per verification.\n"]

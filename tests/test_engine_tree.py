@@ -1,12 +1,17 @@
 """Tree verification in the fast engine (CPU, eager, fp32): exact greedy output, the chain tree equals linear rounds,
-a wider tree accepts at least as much per round, the K/V move, and clear errors."""
+a wider tree accepts at least as much per round, the K/V move, sampled trees that follow the target's law, and clear
+errors."""
 
 import pytest
 import torch
 from conftest import build_drafter, build_target
 from test_engine import _greedy_refs, _prompts, _trained_setup
 
-from hf_carryover.engine.engine import SpeculativeEngine
+from test_context_lookup import PROMPT_LOOP
+from test_sampling import ALPHA, NEW, PROMPT, PURE, _drafter, _pvalues, _target
+
+from hf_carryover.engine import engine as engine_mod
+from hf_carryover.engine.engine import DecodeState, SpeculativeEngine
 from hf_carryover.engine.static_cache import TargetStaticCache
 from hf_carryover.engine.tree import TreeSpec, accept_tree, select_tree, static_tree
 
@@ -138,8 +143,6 @@ def test_tree_errors():
     with pytest.raises(ValueError, match="DFlash drafter"):
         markov.generate(prompts, max_new_tokens=5, tree=WIDE)
     dflash = SpeculativeEngine(target, build_drafter(target, "dflash", False), max_len=96)
-    with pytest.raises(ValueError, match="greedy only"):
-        dflash.generate(prompts, max_new_tokens=5, tree=WIDE, do_sample=True)
     too_deep = TreeSpec.chain(dflash.drafter.config.num_proposals + 1)
     with pytest.raises(ValueError, match="proposes"):
         dflash.generate(prompts, max_new_tokens=5, tree=too_deep)
@@ -200,3 +203,77 @@ def test_select_tree_keeps_the_chain_a_lookup_reaches():
     assert torch.equal(forced["depth"][1], free["depth"][1]) and torch.equal(forced["rank"][1], free["rank"][1])
     chain = [i for i in range(9) if forced["main"][0, i]]
     assert sorted(forced["depth"][0, chain].tolist()) == list(range(7))  # root + chain depths 1..6
+
+
+# every token of the 16-token test vocabulary at depth 1, the top 6 x 6 at depth 2: a draw always matches a child
+FULL16 = [(r,) for r in range(16)] + [(r, s) for r in range(6) for s in range(6)] + [(0, 0, s) for s in range(4)]
+
+
+def _sample_tree(target, drafter, prompt, n, tree=WIDE, lookup=None, seed=6):
+    """n engine samples of `prompt` with a draft tree at T=1 and the target's own n samples (NEW tokens each)."""
+    torch.manual_seed(5)
+    plain = target.generate(prompt.repeat(n, 1), max_new_tokens=NEW, do_sample=True, **PURE)[:, prompt.shape[1]:]
+    engine = SpeculativeEngine(target, drafter, max_len=prompt.shape[1] + NEW + 80)
+    spec = engine.generate([prompt[0].tolist()] * n, max_new_tokens=NEW, do_sample=True, seed=seed, tree=tree,
+                           prompt_lookup_num_tokens=lookup)
+    return [tuple(s) for s in spec], [tuple(s) for s in plain.tolist()], engine
+
+
+@pytest.mark.parametrize("tree, lookup", [(WIDE, None), (FULL16, None), (FULL16, 3)], ids=["wide", "full", "full-lookup"])
+def test_sampled_tree_follows_the_target(tree, lookup):
+    """Chi-square tests at alpha = 0.001 of 2000 sampled tree calls against the target's own samples, per position and
+    for adjacent pairs (positions 2-4 come from tree rounds). An untrained drafter: with WIDE most draws match no
+    child; with FULL16 every draw at depth 1 matches one (mostly not the rank-0 one) and some at depth 2 do, so
+    acceptance of siblings and of paths of two nodes is covered. With lookup the prompt loops, so looked-up tokens sit
+    on the rank-0 chain beside the drafter's alternatives."""
+    target = _target()
+    drafter = _drafter(target, "dflash")
+    prompt = PROMPT_LOOP if lookup else PROMPT
+    spec, plain, engine = _sample_tree(target, drafter, prompt, 2000, tree, lookup)
+    accepted = [a for rows in engine.rounds for a in rows]
+    assert sum(a >= 1 for a in accepted) > 0.15 * len(accepted)
+    if tree is FULL16:  # every depth-1 draw is a child; paths of two nodes in about 5 % of rounds (NEW = 4: a <= 2)
+        assert all(a >= 1 for a in accepted) if lookup is None else sum(a >= 1 for a in accepted) > 0.9 * len(accepted)
+        assert sum(a == 2 for a in accepted) > 0.02 * len(accepted)
+    if lookup:
+        assert sum(map(sum, engine.lookup_rounds)) > 0.3 * len(spec)
+    pvals = _pvalues(spec, plain)
+    assert min(pvals.values()) > ALPHA, pvals
+
+
+def test_sampled_tree_negative_control(monkeypatch):
+    """The test has power: one uniform shared by every verified row of a round (draws that should be independent)
+    makes the chi-square test reject."""
+
+    def shared(self, gen):
+        self.noise.copy_(torch.rand(self.noise.shape[0], 1, generator=gen, device=self.noise.device)
+                         .expand_as(self.noise))
+
+    monkeypatch.setattr(DecodeState, "draw", shared)
+    target = _target()
+    spec, plain, _ = _sample_tree(target, _drafter(target, "dflash"), PROMPT, 2000, FULL16)
+    assert min(_pvalues(spec, plain).values()) < ALPHA
+
+
+def test_sampled_tree_rounds_compiled_and_captured_equal_eager(monkeypatch):
+    """A sampled tree call through torch.compile and through the cuda_graphs loop (an eager stand-in on CPU): the
+    same seed gives the eager engine's tokens and rounds (the uniforms are drawn outside the round)."""
+    from test_engine import _fake_capture
+
+    target = build_target("llama", seed=5)
+    drafter = build_drafter(target, "dflash", True)
+    prompts = _prompts(1, (4, 9))
+    kw = dict(max_new_tokens=20, tree=WIDE, do_sample=True, temperature=0.9, seed=4)
+    eager = SpeculativeEngine(target, drafter, max_len=96)
+    ref = eager.generate(prompts, **kw)
+    fast = SpeculativeEngine(target, drafter, max_len=96, compile=True)
+    assert fast.generate(prompts, **kw) == ref and fast.rounds == eager.rounds
+    monkeypatch.setattr(engine_mod, "_is_cuda", lambda dev: True)
+    captured = []
+    monkeypatch.setattr(engine_mod, "capture_round", _fake_capture(captured))
+    graphed = SpeculativeEngine(target, drafter, max_len=96, cuda_graphs=True)
+    assert graphed.generate(prompts, **kw) == ref and graphed.rounds == eager.rounds
+    assert len(captured) == 1 and graphed.last_mode == "cuda_graph"
+    # the greedy call of the same tree is its own shape (a second capture) and still plain greedy decoding
+    greedy = {x: v for x, v in kw.items() if x not in ("do_sample", "temperature", "seed")}
+    assert graphed.generate(prompts, **greedy) == _greedy_refs(target, prompts, 20) and len(captured) == 2

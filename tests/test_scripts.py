@@ -248,7 +248,8 @@ def test_gpu_engine_check_tiny_cpu(tmp_path):
 def test_gpu_engine_check_trained_drafter_real_prompts_cpu(tmp_path):
     """--target/--drafter/--prompts_dir: a saved target, a drafter trained on its rollouts (so drafts are accepted,
     unlike a random drafter's) and prompt files. Every engine equals the eager one, and at batch 1 the eager engine
-    equals plain greedy `target.generate`; a drafter without its target is refused by name."""
+    equals plain greedy `target.generate`; continuous batching equals static batches; a drafter without its target is
+    refused by name. (Compiled rounds: `test_gpu_engine_check_tiny_cpu` and tests/test_engine.py.)"""
     from test_offline_tau import overfit
     from test_training import tiny_target
 
@@ -270,7 +271,7 @@ def test_gpu_engine_check_trained_drafter_real_prompts_cpu(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(ROOT / "trainer" / "gpu_engine_check.py"), "--device", "cpu", "--target",
            str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompts_dir", str(tmp_path / "prompts"),
-           "--dataset", "toy", "--dtypes", "fp32", "--batch_sizes", "1", "2", "--max_new_tokens", "12", "--compile",
+           "--dataset", "toy", "--dtypes", "fp32", "--batch_sizes", "1", "2", "--max_new_tokens", "12", "--continuous",
            "--out", str(out)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -281,6 +282,9 @@ def test_gpu_engine_check_trained_drafter_real_prompts_cpu(tmp_path):
     assert rows["ar", 1]["plain_greedy_exact"] and rows["dflash", 1]["plain_greedy_exact"]
     assert "plain_greedy_exact" not in rows["dflash", 2]  # batch 1 only
     assert rows["dflash", 1]["tau"] > 1.5  # the trained drafter's drafts are accepted: longer rounds are checked
+    # --continuous: both prompt sets through b rows (a refill per finished row) give every prompt its static tokens
+    for row in summary["rows"]:
+        assert row["eager_continuous_exact"] and row["graph_continuous_exact"], row
     assert summary["drafter"].endswith("drafter") and summary["prompts"].endswith("toy")
     res = subprocess.run(cmd[:3] + cmd[5:], env=env, capture_output=True, text=True, cwd=tmp_path)  # no --target
     assert res.returncode != 0 and "--drafter needs --target" in res.stderr

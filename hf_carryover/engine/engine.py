@@ -60,7 +60,7 @@ class DecodeState:
     `static_cache.py`: every position below a row's anchor is rewritten by that row's prefill or accepted
     verifications before any query can see it), so the caches are reused without clearing."""
 
-    def __init__(self, b, k, max_new, n_eos, caches, n_feat, feat_dtype, device, seq_len):
+    def __init__(self, b, k, max_new, n_eos, caches, n_feat, feat_dtype, device, seq_len, n_noise=None):
         def zeros(*shape, dtype=torch.long):
             return torch.zeros(shape, dtype=dtype, device=device)
 
@@ -85,10 +85,11 @@ class DecodeState:
         self.carry = zeros(b, k, n_feat, dtype=feat_dtype) if n_feat else None  # last verification's rows 1..k
         self.carry_valid = zeros(b, k, dtype=torch.bool)
         self.carry_pos = zeros(b, k)
-        # sampled rounds: the round's uniforms (k draft draws, k acceptance tests, 1 correction/bonus draw) and
-        # the temperature live here, filled from the call's Generator *outside* the round, so the round itself has
-        # no Generator argument: torch.compile does not split it and a CUDA graph can replay it
-        self.noise = zeros(b, 2 * k + 1, dtype=torch.float32)
+        # sampled rounds: the round's uniforms (k draft draws, k acceptance tests, 1 correction/bonus draw; a
+        # sampled tree round one draw per verified row, `n_noise`) and the temperature live here, filled from the
+        # call's Generator *outside* the round, so the round itself has no Generator argument: torch.compile does
+        # not split it and a CUDA graph can replay it
+        self.noise = zeros(b, n_noise or 2 * k + 1, dtype=torch.float32)
         self.temperature = torch.ones((), dtype=torch.float32, device=device)
 
     def reset(self, anchor, plen, eos, prompt_tokens):
@@ -210,8 +211,9 @@ class SpeculativeEngine:
         self._prefills: dict = {}  # (b, graphs?) -> RowPrefill (continuous batching's row refill)
 
     # ------------------------------------------------------------------ static buffers
-    def _state(self, b, k, max_new, n_eos, dev, dtype) -> DecodeState:
-        """The static state for this shape, allocated on first use; the caches are shared by every state of batch b."""
+    def _state(self, b, k, max_new, n_eos, dev, dtype, n_noise=None) -> DecodeState:
+        """The static state for this shape, allocated on first use; the caches are shared by every state of batch b.
+        n_noise: uniforms per row and round where a sampled tree round needs more than a linear one's 2k+1."""
         if self._steps is None:
             self._steps = torch.arange(self.max_len, device=dev)
         if b not in self._caches:
@@ -225,12 +227,14 @@ class SpeculativeEngine:
                 dcache = DrafterStaticCache(len(d.layers), b, dcfg.num_key_value_heads, self.max_len, dcfg.head_dim,
                                             d.fc.weight.dtype, dev)
             self._caches[b] = (cache, dcache)
-        key = (b, k, max_new + k + 1, n_eos)
+        n_noise = max(n_noise or 0, 2 * k + 1)
+        key = (b, k, max_new + k + 1, n_eos, n_noise)
         if key not in self._states:
             n_feat = 0
             if self.drafter is not None:  # raw target features: tapped layers concatenated, in the target's dtype
                 n_feat = len(self.drafter.config.target_layer_ids) * self.target.config.get_text_config().hidden_size
-            self._states[key] = DecodeState(b, k, max_new, n_eos, self._caches[b], n_feat, dtype, dev, self.max_len)
+            self._states[key] = DecodeState(b, k, max_new, n_eos, self._caches[b], n_feat, dtype, dev, self.max_len,
+                                            n_noise)
         return self._states[key]
 
     # ------------------------------------------------------------------ target
@@ -400,8 +404,8 @@ class SpeculativeEngine:
         st.done.copy_(new_done)
         st.set_flags(self._lookup_next(st, lookup) if lookup else torch.zeros_like(new_done[0]))
 
-    def _tree_round(self, st: DecodeState, tree: TreeSpec, lookup=0, nodes=None):
-        """One greedy round that verifies a draft tree (`tree.py`; static or chosen per row), not the linear block.
+    def _tree_round(self, st: DecodeState, tree: TreeSpec, lookup=0, nodes=None, do_sample=False):
+        """One round that verifies a draft tree (`tree.py`; static or chosen per row), not the linear block.
 
         The drafter drafts as usual, with the previous round's carryover states if it is a Carryover drafter
         (`_tree_carry`); the tree's nodes take its top-ranked tokens; with `lookup`, a row's
@@ -409,7 +413,16 @@ class SpeculativeEngine:
         verifies all nodes; the accepted path's K/V and target features are moved to the positions after the
         anchor, so the caches end as after a linear verification of that path. `nodes` (a Python int): each row
         verifies the `nodes` nodes of `tree` its drafter finds likeliest (`tree.select_tree`); None: all of `tree`.
-        No host sync, fixed shapes."""
+        No host sync, fixed shapes.
+
+        do_sample (a Python bool): the target's token after each verified row is *drawn* from its distribution (at
+        `st.temperature`, from the round's uniforms `st.noise[:, :N+1]`) instead of taken as the argmax, and the tree
+        is accepted against those draws exactly as against argmaxes (`accept_tree`). Lossless: each emitted token is a
+        draw from the target's distribution given the tokens before it, because the path only follows a node whose
+        token equals the draw made at its parent. For proposals that are fixed tokens (top-ranked ones, looked-up
+        ones: point masses) this is the same law as rejection sampling tried child after child (accept a child with
+        the target's probability of it, else drop it from the target's distribution and try the next, else draw from
+        what is left), in one draw per verified row."""
         k, steps, b = st.k, self._steps, st.b
         on = self.drafter.config.carryover
         logits_d = self._draft_logits(st.dcache, st.anchor, st.anchor_pos, st.carry if on else None, st.carry_pos,
@@ -435,7 +448,12 @@ class SpeculativeEngine:
         rope = st.anchor_pos[:, None] + depth  # [b, N+1]: at position anchor_pos + depth(i)
         logits, feats = self._target_forward(st.cache, block, rope, slots=slots,
                                              mask=tree_mask(steps, st.anchor_pos, t))
-        a, path, nxt = accept_tree(tokens, valid, logits.argmax(-1), t)
+        if do_sample:  # one draw per verified row: [b, N+1, V] -> [b*(N+1), V] -> [b, N+1]
+            probs = (logits.float() / st.temperature).softmax(-1)
+            choice = inverse_cdf(probs.flatten(0, 1), st.noise[:, :n].reshape(-1)).view(b, n)
+        else:
+            choice = logits.argmax(-1)
+        a, path, nxt = accept_tree(tokens, valid, choice, t)
         st.cache.move(slots.gather(1, path), slots)  # the accepted path's K/V to slots anchor_pos + depth
         m = min(n, k + 1)  # the drafter's context needs rows 0..a (a <= depth <= k)
         rows = feats.gather(1, path[:, :m, None].expand(-1, -1, feats.shape[-1]))  # [b, m, F]
@@ -500,7 +518,8 @@ class SpeculativeEngine:
         `self.lookup_rounds` holds, per prompt, which logged rounds proposed looked-up tokens.
 
         tree: a `TreeSpec` or a list of rank paths (`tree.py`): every round verifies that draft tree instead of the
-        linear block (greedy, DFlash drafters). Output is still the target's greedy output; `self.rounds` then
+        linear block (DFlash drafters). Output is still the target's greedy output, or at do_sample=True a draw from
+        the target's distribution (each verified row's token drawn, `_tree_round`); `self.rounds` then
         logs, per round, the tokens emitted minus one, so `tau` is tokens per verification. tree_nodes=N: each row
         verifies only the N nodes of `tree` its drafter finds likeliest that round (a dynamic tree; `tree` is then
         the superset, e.g. a calibrated one from `examples/calibrate_tree.py`).
@@ -534,8 +553,9 @@ class SpeculativeEngine:
             raise ValueError(f"max_len={self.max_len} is too small for prompts of {longest} tokens + "
                              f"{max_new_tokens} new tokens + a block of {k}.")
         eos = eos_tensor(eos_token_id).to(dev)
-        tree = check_tree(tree, self.drafter, do_sample, longest + max_new_tokens, self.max_len, tree_nodes)
-        st = self._state(b, k, max_new_tokens, eos.numel(), dev, dtype)
+        tree = check_tree(tree, self.drafter, longest + max_new_tokens, self.max_len, tree_nodes)
+        n_noise = (tree_nodes or tree.num_nodes) + 1 if tree is not None and do_sample else None
+        st = self._state(b, k, max_new_tokens, eos.numel(), dev, dtype, n_noise)
 
         def first_token(last):  # [r, V] logits at each prompt's end -> its first generated token [r]
             if do_sample:
@@ -614,7 +634,7 @@ class SpeculativeEngine:
             if graphs[draft] is not None:
                 graphs[draft].replay()
             elif tree is not None:
-                step(st, tree, lookup, tree_nodes)
+                step(st, tree, lookup, tree_nodes, do_sample)
             else:
                 step(st, do_sample, clock, lookup, draft)
             if self.round_hook is not None:
@@ -652,7 +672,7 @@ class SpeculativeEngine:
                 return None, "eager (nothing to decode)"
             try:
                 step = self._round_fn(do_sample, tree)
-                fn = (lambda: step(st, tree, lookup, nodes)) if tree is not None else (
+                fn = (lambda: step(st, tree, lookup, nodes, do_sample)) if tree is not None else (
                     lambda: step(st, do_sample, None, lookup, draft))
                 self._graphs[key] = capture_round(fn, st.tensors())
             except Exception as e:  # noqa: BLE001  (any capture error: decode eagerly instead)

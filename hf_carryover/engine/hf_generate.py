@@ -49,7 +49,7 @@ def tree_blockers(drafter, input_ids, generation_config, logits_processor=None, 
     """Why this generate() call cannot run tree rounds (empty: it can)."""
     why = []
     if generation_config.do_sample:
-        why.append("sampling (draft trees are greedy only)")
+        why.append("sampling (draft trees through generate() are greedy; SpeculativeEngine samples them)")
     if attention_mask is not None and not bool((attention_mask.long().cummax(1).values == attention_mask).all()):
         why.append("padding after a prompt's first token (left padding only)")
     elif attention_mask is not None and not bool(attention_mask.any(1).all()):

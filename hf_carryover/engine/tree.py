@@ -15,8 +15,8 @@ path is (r_1, ..., r_{d-1}). Nodes are ordered by depth, so a parent always come
 
 Verification of a tree in a position-indexed static cache: node i is written at cache slot `anchor_pos + i` with
 RoPE position `anchor_pos + depth(i)`, and its query sees the committed slots (< anchor_pos) and its ancestors'
-slots. After acceptance (the target's argmax at each accepted node's parent equals the node's token; accepted
-nodes form one path), the accepted path's K/V are moved to the slots `anchor_pos + 1 .. anchor_pos + a`, which
+slots. After acceptance (the target's argmax at each accepted node's parent equals the node's token, or in sampled
+rounds the token drawn from the target's distribution there; accepted nodes form one path), the accepted path's K/V are moved to the slots `anchor_pos + 1 .. anchor_pos + a`, which
 makes the cache exactly what a linear verification of that path would have left.
 """
 
@@ -125,15 +125,13 @@ def fit_tree(tree, drafter, nodes=None) -> TreeSpec:
     return tree
 
 
-def check_tree(tree, drafter, do_sample: bool, longest: int, max_len: int, nodes=None):
+def check_tree(tree, drafter, longest: int, max_len: int, nodes=None):
     """`tree` (a TreeSpec, a list of rank paths, or None) as a TreeSpec or None, after checking that this drafter and
-    call can verify it: `fit_tree`'s checks, greedy decoding, and room in the engine's caches (`max_len`) for the
-    `longest` sequence plus the rows a round writes."""
+    call can verify it: `fit_tree`'s checks and room in the engine's caches (`max_len`) for the `longest` sequence
+    plus the rows a round writes. Greedy and sampled calls alike (`SpeculativeEngine._tree_round`)."""
     if tree is None:
         return None
     tree = fit_tree(tree, drafter, nodes)
-    if do_sample:
-        raise ValueError("tree verification is greedy only (do_sample=False); sampled rounds verify the linear block.")
     if longest + (nodes or tree.num_nodes) + 2 > max_len:  # a round writes only its N+1 verified rows
         raise ValueError(f"max_len={max_len} is too small for {longest} tokens + a tree of "
                          f"{nodes or tree.num_nodes} nodes.")
@@ -203,10 +201,10 @@ def tree_mask(keys: torch.Tensor, anchor_pos: torch.Tensor, t: dict) -> torch.Te
 
 
 def accept_tree(tokens: torch.Tensor, valid: torch.Tensor, choice: torch.Tensor, t: dict):
-    """Greedy acceptance of a tree.
+    """Acceptance of a tree against the target's choice after each node.
 
     tokens, valid `[b, N]` (node proposals; invalid ones are never accepted); choice `[b, N+1]` (the target's
-    argmax after each node, root first). Returns a `[b]` (accepted depth), `path` `[b, N+1]` (path[:, d] = node at
+    argmax after each node, root first, or in sampled rounds a draw from its distribution there). Returns a `[b]` (accepted depth), `path` `[b, N+1]` (path[:, d] = node at
     depth d of the accepted path for d <= a; the identity elsewhere, so slots past a are left as they are) and the
     next token `[b]` (the target's argmax after the deepest accepted node)."""
     parent, depth, anc = t["parent"][:, 1:], t["depth"], t["anc"]
