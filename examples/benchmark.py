@@ -19,7 +19,7 @@ Methods (each skipped with a recorded reason when it cannot run here):
   engine_pld          (--lookup N) the engine without a drafter, prompt-lookup decoding of N tokens a round
   engine_tree<N>:<name> (--tree FILE --tree_nodes N ...) the engine verifying a draft tree each round: the N nodes of
                       FILE's tree (a superset from examples/calibrate_tree.py) the drafter finds likeliest, per row
-                      (N = "all": the whole tree, static); greedy, DFlash drafters; with --lookup also
+                      (N = "all": the whole tree, static); DFlash drafters, any --temperature; with --lookup also
                       engine_tree_lookup<N>:<name> (looked-up tokens on the tree's rank-0 chain)
   hf_spec_lookup:<name> (--lookup N) generate(assistant_model=drafter, prompt_lookup_num_tokens=N)
   hf_spec_tree<N>:<name>, hf_spec_tree_lookup<N>:<name> (--tree ...) generate(assistant_model=drafter) after
