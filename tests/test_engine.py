@@ -196,12 +196,13 @@ def test_repeated_generate_reuses_buffers_and_equals_fresh_engines(typ):
         assert engine.rounds == fresh.rounds
     k = drafter.config.num_proposals if drafter else 0
     assert set(engine._caches) == {2, 3}
-    assert set(engine._states) == {(2, k, 30 + k + 1, 0), (3, k, 30 + k + 1, 0), (2, k, 17 + k + 1, 0),
-                                   (2, k, 30 + k + 1, 2)}
-    st = engine._states[(2, k, 31 + k, 0)]
+    w = 2 * k + 1  # uniforms per row and round (linear rounds; a sampled tree round may need more)
+    assert set(engine._states) == {(2, k, 30 + k + 1, 0, w), (3, k, 30 + k + 1, 0, w), (2, k, 17 + k + 1, 0, w),
+                                   (2, k, 30 + k + 1, 2, w)}
+    st = engine._states[(2, k, 31 + k, 0, w)]
     out, cache_k = st.out, st.cache.k[0]
     engine.generate(_prompts(5, (8, 3)), max_new_tokens=30)
-    assert engine._states[(2, k, 31 + k, 0)].out is out and engine._caches[2][0].k[0] is cache_k
+    assert engine._states[(2, k, 31 + k, 0, w)].out is out and engine._caches[2][0].k[0] is cache_k
 
 
 def test_cuda_graphs_on_cpu_runs_eagerly_without_warning():
