@@ -219,7 +219,8 @@ def _sample_tree(target, drafter, prompt, n, tree=WIDE, lookup=None, seed=6):
     return [tuple(s) for s in spec], [tuple(s) for s in plain.tolist()], engine
 
 
-@pytest.mark.parametrize("tree, lookup", [(WIDE, None), (FULL16, None), (FULL16, 3)], ids=["wide", "full", "full-lookup"])
+@pytest.mark.parametrize("tree, lookup", [(WIDE, None), (FULL16, None), (FULL16, 3)],
+                         ids=["wide", "full", "full-lookup"])
 def test_sampled_tree_follows_the_target(tree, lookup):
     """Chi-square tests at alpha = 0.001 of 2000 sampled tree calls against the target's own samples, per position and
     for adjacent pairs (positions 2-4 come from tree rounds). An untrained drafter: with WIDE most draws match no

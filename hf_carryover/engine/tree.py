@@ -16,8 +16,9 @@ path is (r_1, ..., r_{d-1}). Nodes are ordered by depth, so a parent always come
 Verification of a tree in a position-indexed static cache: node i is written at cache slot `anchor_pos + i` with
 RoPE position `anchor_pos + depth(i)`, and its query sees the committed slots (< anchor_pos) and its ancestors'
 slots. After acceptance (the target's argmax at each accepted node's parent equals the node's token, or in sampled
-rounds the token drawn from the target's distribution there; accepted nodes form one path), the accepted path's K/V are moved to the slots `anchor_pos + 1 .. anchor_pos + a`, which
-makes the cache exactly what a linear verification of that path would have left.
+rounds the token drawn from the target's distribution there; accepted nodes form one path), the accepted path's K/V
+are moved to the slots `anchor_pos + 1 .. anchor_pos + a`, which makes the cache exactly what a linear verification
+of that path would have left.
 """
 
 from __future__ import annotations
@@ -204,9 +205,10 @@ def accept_tree(tokens: torch.Tensor, valid: torch.Tensor, choice: torch.Tensor,
     """Acceptance of a tree against the target's choice after each node.
 
     tokens, valid `[b, N]` (node proposals; invalid ones are never accepted); choice `[b, N+1]` (the target's
-    argmax after each node, root first, or in sampled rounds a draw from its distribution there). Returns a `[b]` (accepted depth), `path` `[b, N+1]` (path[:, d] = node at
-    depth d of the accepted path for d <= a; the identity elsewhere, so slots past a are left as they are) and the
-    next token `[b]` (the target's argmax after the deepest accepted node)."""
+    argmax after each node, root first, or in sampled rounds a draw from its distribution there). Returns a `[b]`
+    (accepted depth), `path` `[b, N+1]` (path[:, d] = node at depth d of the accepted path for d <= a; the identity
+    elsewhere, so slots past a are left as they are) and the next token `[b]` (the target's choice after the deepest
+    accepted node)."""
     parent, depth, anc = t["parent"][:, 1:], t["depth"], t["anc"]
     match = (tokens == choice.gather(1, parent)) & valid  # [b, N]: node proposes what the target chose after its parent
     match = torch.cat([torch.ones_like(match[:, :1]), match], 1)  # [b, N+1], the root always holds
