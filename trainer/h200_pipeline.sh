@@ -231,12 +231,14 @@ train1)
       --config trainer/configs/smollm2_stage1.json --drafter_type $typ $L1 --data_dir $A/data/train \
       --eval_data_dir $A/data/eval --output_dir $A/runs/$typ-stage1 --max_steps 20000 --max_minutes $S1_MINUTES \
       --fit_schedule_to_time true $INIT ${TRAIN_EXTRA:-} > "$L/train_$typ-stage1.log" 2>&1 &
-  else for i in 0 1; do
+  else for i in 0 1; do  # two types: S1_STEPS gives both the same steps on one cosine schedule (the four-drafter
+    # comparison: identical data and steps), S1_MINUTES then only a safety cap; else each fits its schedule to the time
     typ=${TYPES[$i]}; S1_RUNS_DONE+=($typ-stage1)
     L1=""; [ "$typ" = markov ] && L1="--l1_weight 0.9"  # DSpark: 0.1 CE + 0.9 ||p_draft - p_target||_1
+    STEPS="--max_steps 20000 --fit_schedule_to_time true"; [ -n "${S1_STEPS:-}" ] && STEPS="--max_steps $S1_STEPS"
     CUDA_VISIBLE_DEVICES=$(gpu $i) python3 trainer/train.py --config trainer/configs/smollm2_stage1.json \
       --drafter_type $typ $L1 --data_dir $A/data/train --eval_data_dir $A/data/eval \
-      --output_dir $A/runs/$typ-stage1 --max_steps 20000 --max_minutes $S1_MINUTES --fit_schedule_to_time true $INIT ${TRAIN_EXTRA:-} \
+      --output_dir $A/runs/$typ-stage1 $STEPS --max_minutes $S1_MINUTES $INIT ${TRAIN_EXTRA:-} \
       > "$L/train_$typ-stage1.log" 2>&1 &
   done; fi
   wait
