@@ -37,11 +37,15 @@ def tau_table(paths, baseline: str | None = None) -> str:
             mean = sum(got) / len(got) if got else None
             cells = [f"{v:.3f}" if v is not None else "–" for v in vals] + [f"{mean:.3f}" if mean else "–"]
             ref = baseline if baseline else n.replace("-carryover", "-baseline") if n.endswith("-carryover") else None
-            if ref and ref != n and all((ref, d, t) in rows for d in datasets):
-                base = [rows[(ref, d, t)]["tau"] for d in datasets]
-                gains = [v / b - 1 for v, b in zip(vals, base)]
-                cells = [f"{c} ({g:+.1%})" for c, g in zip(cells[:-1], gains)] + [
-                    f"{cells[-1]} ({mean / (sum(base) / len(base)) - 1:+.1%})"]
+            # gains on the datasets both have; a run cut by its time box may lack some, and then its mean's gain is
+            # over the shared datasets only (said in the cell), not its mean against the baseline's full mean
+            both = [i for i, d in enumerate(datasets) if vals[i] is not None and (ref, d, t) in rows] if ref else []
+            if ref and ref != n and both:
+                base = {i: rows[(ref, datasets[i], t)]["tau"] for i in both}
+                gain = sum(vals[i] for i in both) / sum(base.values()) - 1
+                note = "" if len(both) == len(datasets) else f" over {', '.join(datasets[i] for i in both)}"
+                cells = [f"{c} ({vals[i] / base[i] - 1:+.1%})" if i in base else c for i, c in enumerate(cells[:-1])] \
+                    + [f"{cells[-1]} ({gain:+.1%}{note})"]
             out.append(f"| {n} | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)

@@ -384,6 +384,10 @@ def test_results_tables_gain_against_own_baseline(tmp_path):
     assert "| x-baseline | 2.000 (-9.1%) | 1.500 (+0.0%) | 1.750 (-5.4%) |" in table
     t1 = table[table.index("**T = 1**"):]
     assert "x-carryover" not in t1 and "| x-baseline | 1.200 | – | 1.200 |" in t1
+    # a Carryover run cut by its time box (no "b" rows): gains on the shared dataset only, and the mean's gain says so
+    res = {k: v for k, v in res.items() if k != "x-carryover|b"}
+    (tmp_path / "s.json").write_text(json.dumps({"results": res}))
+    assert "| x-carryover | 2.200 (+10.0%) | – | 2.200 (+10.0% over a) |" in tau_table([tmp_path / "s.json"])
 
 
 def test_compare_rounds(tmp_path):

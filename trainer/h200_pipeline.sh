@@ -280,7 +280,7 @@ stage2)
     [ ${#RUNS[@]} = 1 ] && { g0=${S2_GPU:-$i}; g1=$g0; }
     fit=$(last_fit $init/train_log.json 2>/dev/null || true)
     N=${S2_STEPS:-$(python3 -c "print(int(0.8 * (${S2_MINUTES} * 60 - 45) / ($share * float('${fit#* }'))) if '$fit' else 800)")}
-    log "$typ stage 2 from $init: $N steps each, runs: ${RUNS[*]} (baseline: GPU $g0, Carryover: GPU $g1, if run)"
+    log "$typ stage 2 from $init: $N steps each, runs: ${RUNS[*]} (baseline: GPU $(gpu $g0), Carryover: GPU $(gpu $g1), if run)"
     if [[ " ${RUNS[*]} " == *" carryover "* ]]; then
       CUDA_VISIBLE_DEVICES=$(gpu $g1) python3 trainer/train.py --config trainer/configs/smollm2_stage2.json \
         --init_from $init --data_dir $A/data/train --eval_data_dir $A/data/eval \
@@ -294,6 +294,9 @@ stage2)
         --output_dir $A/runs/$typ-baseline --max_steps $N --max_minutes $S2_MINUTES ${TRAIN_EXTRA:-} \
         > "$L/train_$typ-baseline.log" 2>&1 &
     fi
+    # one GPU, two types: one pair at a time. All four runs side by side ran out of memory (2026-12-02: the DFlash
+    # Carryover run died at step 5, the other three processes holding 25, 27 and 59 GB)
+    [ $NGPU = 1 ] && [ ${#TYPES[@]} = 2 ] && wait
   done
   wait
   P=""  # queue: the DFlash runs first (complete in this call), then the Markov ones
