@@ -150,7 +150,8 @@ def test_bad_engine_lookup_setting_is_named():
 
 
 def test_engine_lookup_compiled_and_graph_plumbing(monkeypatch):
-    """Lookup rounds through torch.compile (greedy: one graph; sampled: breaks only at the draws' sums) and through
+    """Lookup rounds through torch.compile ("aot_eager": the same graphs and breaks as inductor, without its code
+    generation; greedy: one graph; sampled: breaks only at the draws' sums) and through
     the cuda_graphs control flow (an eager stand-in on CPU): the eager lookup engine's tokens and rounds, greedy and sampled; a lookup setting is its own
     captured shape."""
     from test_engine import _fake_capture
@@ -166,7 +167,8 @@ def test_engine_lookup_compiled_and_graph_plumbing(monkeypatch):
     sampled = eager.generate(prompts, do_sample=True, temperature=0.8, seed=3, **kw)
     sampled_rounds = (eager.rounds, eager.lookup_rounds)
 
-    fast = SpeculativeEngine(target, drafter, max_len=340, compile=True)
+    fast = SpeculativeEngine(target, drafter, max_len=340, compile="aot_eager")  # tracing as inductor's; test_engine
+    # runs the one inductor compile
     counters = torch._dynamo.utils.counters
     counters.clear()
     assert fast.generate(prompts, **kw) == ref and (fast.rounds, fast.lookup_rounds) == ref_rounds

@@ -226,7 +226,8 @@ def test_gpu_engine_check_tiny_cpu(tmp_path):
     assert {r.get("mode", r.get("graph_mode")) for r in rows} == {"eager (no CUDA)"}
     assert all(r["eager_tok_per_s"] > 0 and r["graph_tok_per_s"] > 0 for r in rows if r["dtype"] == "bf16")
     # --compile (the H200 run's form): compiled greedy rounds exact, and a compiled sampled call draws the eager tokens
-    cmd_c = cmd[:-3] + ["--compile", "--dtypes", "fp32", "--kinds", "dflash", "--batch_sizes", "1", "--out", str(out)]
+    cmd_c = cmd[:-3] + ["--compile", "--compile_backend", "aot_eager", "--dtypes", "fp32", "--kinds", "dflash",
+                        "--batch_sizes", "1", "--out", str(out)]
     res = subprocess.run(cmd_c, env=env, capture_output=True, text=True, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     (row,) = json.loads(out.read_text())["rows"]

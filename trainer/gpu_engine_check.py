@@ -108,6 +108,8 @@ def main():
     p.add_argument("--reps", type=int, default=3, help="timed generate() calls per measurement")
     p.add_argument("--compile", action="store_true", help="also the graph engine with compile=True (torch.compile'd "
                    "round, then captured): exactness against eager in fp32, tokens/s in bf16")
+    p.add_argument("--compile_backend", default="inductor", help="torch.compile backend of --compile ('aot_eager': "
+                   "the same tracing without inductor's code generation; the CPU test's quick form)")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
                    help="order of the passes (put bf16 first when its timings matter most in a time box)")
     p.add_argument("--kinds", nargs="+", default=["ar", "dflash"], choices=["ar", "dflash"],
@@ -168,7 +170,8 @@ def main():
         if args.lookup:  # the eager engine skipping the drafter where every row looks up, against drafting always
             out["eager_skip"] = SpeculativeEngine(target, drafter, max_len=max_len)
         if args.compile:
-            out["graph_compile"] = SpeculativeEngine(target, drafter, max_len=max_len, cuda_graphs=True, compile=True)
+            out["graph_compile"] = SpeculativeEngine(target, drafter, max_len=max_len, cuda_graphs=True,
+                                                   compile=args.compile_backend)
         return out
 
     for dtype_name in args.dtypes:

@@ -8,7 +8,8 @@
 #           runs/regen (the regen phase's tar parts), unpacked beside the stashed responses
 #           (S1_INIT=@previous: from this machine's last train1, so that train1 calls chain in one session)
 #   train1  joins the GGUF (md5-checked), converts it, trains stage 1: DFlash on GPU 0, Markov on GPU 1, each
-#           with its LR schedule fitted to S1_MINUTES; returns bf16 stage-1 drafters (insurance)
+#           with its LR schedule fitted to S1_MINUTES (S1_STEPS: both the same steps, S1_MINUTES a cap); returns bf16
+#           stage-1 drafters (insurance)
 #   stage2  per type (GPU 0 DFlash, GPU 1 Markov) two continuations of S2_STEPS each from the same stage-1
 #           checkpoint: baseline (stage-1 objective) and Carryover; returns the DFlash pair. S2_INIT, S2_RUNS,
 #           S2_TAG and S2_GPU run a single Carryover variant from a stashed drafter (see the phase)
@@ -71,6 +72,10 @@
 # Fourth run of 2026-12-01 (examples/results/h200-2026-12-01d/), one H200: vllmstash (.vllm/bundle); vllmstash (.device/p1,
 # assets/prompts); stashinit (.init/dflash-stage1); REGEN_ENGINE=vllm regen + train1; REGEN_SETS=eval regen + TYPES=dflash
 # S1_INIT=dflash-stage1 train1; stage2 + tau; engine. On a one-GPU machine the phases put GPU 1's work on GPU 0 (gpu()).
+# Run of 2026-12-02 (examples/results/h200-2026-12-02/), one H200, the four-drafter comparison from scratch: vllmstash
+# (.vllm/bundle); vllmstash (.device/p1, assets/prompts); REGEN_ENGINE=vllm REGEN_SETS="0:0:0 1:2:0 eval" regen;
+# TYPES="dflash markov" S1_STEPS=600 train1; stage2 (S2_STEPS=120, gate -6) + tau; the DFlash Carryover stage 2 again
+# (out of memory beside the other three runs; stage2 now runs one pair at a time there) + tau; tau at T=1 (27 minutes).
 # vllmstash now refreshes the stashed folders' remote code: a folder saved by an older commit runs its own copy.
 # With drafter weights committed in model_cards/, run `bash trainer/device_tree.sh light` before the calls.
 # Checkpoints: stage2 packs all four drafters in bf16 and queues them as tar parts (DFlash pair first); each call

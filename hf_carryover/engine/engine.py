@@ -153,7 +153,7 @@ MAX_LEN_ALIGN = 64
 
 class SpeculativeEngine:
     def __init__(self, target, drafter=None, max_len: int = 2048, profile: bool = False, cuda_graphs: bool = False,
-                 compile: bool = False, lookup_skips_drafter: bool = True):
+                 compile: bool | str = False, lookup_skips_drafter: bool = True):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -172,6 +172,9 @@ class SpeculativeEngine:
         compiled and captured too: their uniforms come from the call's `torch.Generator` outside the round, the
         same stream in every mode, so a seed gives the eager round's tokens (tested on CPU with compile; a graph
         replays the eager round's kernels, which `trainer/gpu_engine_check.py` compares on the GPU).
+        A string instead of True names another `torch.compile` backend: "aot_eager" traces the same graphs (graph
+        breaks, guards, recompiles) without inductor's code generation, which takes most of a CPU compile's time,
+        so it is the quick way to debug a compile problem, and what most of the CPU tests use.
 
         lookup_skips_drafter=True (with context lookup): a round in which every unfinished row looks up runs without
         the drafter (its drafted block would be discarded anyway; output and rounds are the same either way, tested).
@@ -183,8 +186,9 @@ class SpeculativeEngine:
         # replayed; None (the default) costs nothing
         self.round_hook = None
         self.profile = profile
-        self.compile = compile
-        self._compiled_round = torch.compile(self._round, dynamic=False) if compile else None
+        self.compile = bool(compile)
+        self._compile_backend = compile if isinstance(compile, str) else "inductor"
+        self._compiled_round = self._compiled(self._round) if compile else None
         self._compiled_tree_round = None  # compiled on first use of a tree
         if compile:  # every engine and batch shape recompiles the round; past dynamo's limit (8) it would quietly
             cfg = torch._dynamo.config  # fall back to eager while last_mode still said "+compile"
@@ -643,13 +647,16 @@ class SpeculativeEngine:
         self.rounds, self.lookup_rounds = rounds, looked
         return outputs
 
+    def _compiled(self, fn):
+        return torch.compile(fn, dynamic=False, backend=self._compile_backend)
+
     def _round_fn(self, do_sample, tree=None):
         """The compiled round where it applies (greedy or sampled; not when profiling: the clock's syncs would split
         the graph). `do_sample` is a Python bool, so greedy and sampled rounds compile separately."""
         if tree is not None:
             if self.compile and not self.profile:
                 if self._compiled_tree_round is None:
-                    self._compiled_tree_round = torch.compile(self._tree_round, dynamic=False)
+                    self._compiled_tree_round = self._compiled(self._tree_round)
                 return self._compiled_tree_round
             return self._tree_round
         if self._compiled_round is not None and not self.profile:
