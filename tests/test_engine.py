@@ -343,6 +343,28 @@ def test_running_mass_never_scans_one_long_row(monkeypatch):
     assert inverse_cdf(probs, u).tolist() == [inverse_cdf(probs[i : i + 1], u[i : i + 1]).item() for i in range(2)]
 
 
+def test_engine_decodes_in_eval_mode_and_leaves_the_callers_modes():
+    """A target in training mode with dropout still decodes greedily (the engine switches to eval mode for the call),
+    and afterwards every submodule of target and drafter has the mode it had before, mixed modes included."""
+    target = build_target("llama", seed=3)
+    drafter = build_drafter(target, "dflash", True)
+    prompts = [[5, 9, 3, 7], [11, 4]]
+    ref = _greedy_refs(target, prompts, 12)
+    target.config.attention_dropout = 0.5
+    for layer in target.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    target.train()
+    drafter.train()
+    drafter.fc.eval()  # a submodule the caller keeps in eval mode
+    with torch.no_grad():  # dropout at 0.5 really changes the output in training mode, so the test can fail
+        x = torch.tensor([prompts[0]])
+        assert not torch.equal(target(x).logits, target(x).logits)
+    eng = SpeculativeEngine(target, drafter, max_len=64)
+    assert eng.generate(prompts, max_new_tokens=12) == ref
+    assert target.training and all(m.training for m in target.modules())
+    assert drafter.training and not drafter.fc.training
+
+
 @pytest.mark.parametrize("typ,backend", [("dflash", "inductor"), (None, "aot_eager")])
 def test_compiled_round_equals_eager(typ, backend):
     """compile=True runs the same round through torch.compile (inductor's C++ backend here): same tokens, same

@@ -29,6 +29,7 @@ round's one read, and a finished row is read out and refilled with the next prom
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 import warnings
@@ -42,6 +43,24 @@ from .sampling import inverse_cdf, point_mass, running_mass
 from .static_cache import DrafterStaticCache, TargetStaticCache
 from .tree import (TreeSpec, accept_tree, check_tree, node_tokens, select_tree, static_tree, tree_mask,
                    unique_children)
+
+
+def _in_eval_mode(method):
+    """Decoding runs the target and drafter in eval mode (no dropout), and the caller's models get their own modes
+    back afterwards, submodule by submodule: building or running an engine (generate()'s tree path does both) leaves
+    the models as it found them, as transformers' generate() does (it never switches modes)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        models = [m for m in (self.target, self.drafter) if m is not None]
+        modes = [(sub, sub.training) for m in models for sub in m.modules()]
+        for m in models:
+            m.eval()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            for sub, training in modes:
+                sub.training = training
+    return run
 
 
 def _is_cuda(device) -> bool:
@@ -197,8 +216,8 @@ class SpeculativeEngine:
         self.cuda_graphs = cuda_graphs
         self.last_mode: str | None = None
         self.timing = {"draft": 0.0, "verify": 0.0, "other": 0.0, "rounds": 0}
-        self.target = target.eval()
-        self.drafter = drafter.eval() if drafter is not None else None
+        self.target = target  # eval mode while decoding only (`_in_eval_mode`)
+        self.drafter = drafter
         if drafter is not None:
             drafter.bind_target(target)
         # the caches and every round's 4D mask span max_len keys: rounded up to a multiple of MAX_LEN_ALIGN so the
@@ -513,6 +532,7 @@ class SpeculativeEngine:
 
     # ------------------------------------------------------------------ loop
     @torch.no_grad()
+    @_in_eval_mode
     def generate(self, prompts, max_new_tokens=256, do_sample=False, temperature=1.0, eos_token_id=None, seed=0,
                  prompt_lookup_num_tokens=None, tree=None, tree_nodes=None, batch_size=None):
         """prompts: list of token-id lists. Returns a list of generated token lists (prompt excluded), in prompt order.
