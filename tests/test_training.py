@@ -210,6 +210,28 @@ def test_valid_rows_only_logits_change_nothing(typ, monkeypatch):
         off, _ = full_block_loss(logits, labels, ok, objectives.position_weights(drafter.config, ids.device),
                                  t_off.view_as(logits), 0.9)
         assert not torch.allclose(off, ref, rtol=1e-4)
+        # stage 2 keeps the term in every block group (t and the shifted anchors): each group's target rows are the
+        # target's logits one position before each valid proposal, as gathered from the full [b, N, P, V] here
+        seen_targets, seen_losses = [], []
+        real_targets, real_loss = objectives.block_targets, objectives.block_loss
+        monkeypatch.setattr(objectives, "block_targets", lambda *a: seen_targets.append(real_targets(*a)) or
+                            seen_targets[-1])
+        monkeypatch.setattr(objectives, "block_loss", lambda *a: seen_losses.append(a) or real_loss(*a))
+        loss2, _ = stage2_loss(drafter, drafter, target, batch, num_anchors=64, l1_weight=0.9,
+                               generator=torch.Generator().manual_seed(0))
+        _, ok_all, _, pos_all = seen_targets[-1]  # the blocks [t | t1] of the gradient forward
+        n = ok_all.shape[1] // 2
+        assert len(seen_losses) == 2 and all(a[-1] == 0.9 and a[-2] is not None for a in seen_losses)
+        for g, args in enumerate(seen_losses):
+            ok_g, pos_g = ok_all[:, g * n:(g + 1) * n], pos_all[:, g * n:(g + 1) * n]
+            t_g = tl.gather(1, (pos_g - 1).clamp(max=L - 1).flatten(1)[..., None].expand(-1, -1, tl.shape[-1]))
+            assert torch.equal(args[-2], t_g.view(*pos_g.shape, -1)[ok_g]), g
+            t_g_off = tl.gather(1, pos_g.clamp(max=L - 1).flatten(1)[..., None].expand(-1, -1, tl.shape[-1]))
+            assert not torch.equal(args[-2], t_g_off.view(*pos_g.shape, -1)[ok_g])
+        monkeypatch.setattr(objectives, "block_loss", real_loss)
+        loss0, _ = stage2_loss(drafter, drafter, target, batch, num_anchors=64,
+                               generator=torch.Generator().manual_seed(0))
+        assert not torch.allclose(loss2, loss0)  # the term is in the loss
 
 
 @pytest.mark.parametrize("with_eos,gate", [(False, None), (True, None), (False, 1.0)])
@@ -285,7 +307,7 @@ def test_training_carryover_equals_inference_carryover(typ, with_eos, gate):
     assert checked >= 2
 
 
-def test_trainer_runs_and_resumes(tmp_path):
+def test_trainer_runs_and_resumes(tmp_path, monkeypatch):
     """CPU: a tiny stage-1 run through `trainer/train.py`, then stage 2 from its output, then a resume."""
     import sys
 
@@ -312,6 +334,15 @@ def test_trainer_runs_and_resumes(tmp_path):
     assert len(metrics["eval_acc_per_pos_carry_withheld"]) == 3 and "eval_accept_run_carry_withheld" in metrics
     log = json.loads((tmp_path / "s2" / "final" / "train_log.json").read_text())
     assert not [e for e in log if "train_accept_run_carry_withheld" in e]  # training steps skip the extra forward
+    # --l1_weight reaches stage 2's objective (DSpark's term in every term there), with the chain setting beside it
+    from hf_carryover.training import trainer as trainer_mod
+    seen = []
+    real = trainer_mod.stage2_loss
+    monkeypatch.setattr(trainer_mod, "stage2_loss", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    main(common + ["--output_dir", str(tmp_path / "s2l1"), "--max_steps", "1", "--stage", "2", "--carryover", "true",
+                   "--l1_weight", "0.9", "--init_from", str(tmp_path / "s1" / "final")])
+    assert seen and all(kw["l1_weight"] == 0.9 and kw["chain"] == 1 for kw in seen)
+    monkeypatch.undo()
     # continuing from a bf16 folder (a shipped or packed drafter) trains fp32 master weights, not bf16 ones
     Drafter.from_pretrained(tmp_path / "s1" / "final", dtype=torch.bfloat16).save_pretrained(tmp_path / "s1_bf16")
     cont = main(common + ["--output_dir", str(tmp_path / "s1c"), "--max_steps", "1",

@@ -283,18 +283,19 @@ stage2)
     # S2_TAG=-gated to keep it beside an ungated one)
     g0=$i; g1=$i; share=3; [ ${#TYPES[@]} = 1 ] && [ $NGPU -ge 2 ] && { g1=1; share=2; }
     [ ${#RUNS[@]} = 1 ] && { g0=${S2_GPU:-$i}; g1=$g0; }
+    L1=""; [ "$typ" = markov ] && L1="--l1_weight 0.9"  # both Markov runs keep DSpark's term (stage 1's weight)
     fit=$(last_fit $init/train_log.json 2>/dev/null || true)
     N=${S2_STEPS:-$(python3 -c "print(int(0.8 * (${S2_MINUTES} * 60 - 45) / ($share * float('${fit#* }'))) if '$fit' else 800)")}
     log "$typ stage 2 from $init: $N steps each, runs: ${RUNS[*]} (baseline: GPU $(gpu $g0), Carryover: GPU $(gpu $g1), if run)"
     if [[ " ${RUNS[*]} " == *" carryover "* ]]; then
       CUDA_VISIBLE_DEVICES=$(gpu $g1) python3 trainer/train.py --config trainer/configs/smollm2_stage2.json \
-        --init_from $init --data_dir $A/data/train --eval_data_dir $A/data/eval \
+        --init_from $init $L1 --data_dir $A/data/train --eval_data_dir $A/data/eval \
         --output_dir $A/runs/$typ-carryover${S2_TAG:-} --max_steps $N --max_minutes $S2_MINUTES ${TRAIN_EXTRA:-} \
         ${CARRY_EXTRA:-} > "$L/train_$typ-carryover${S2_TAG:-}.log" 2>&1 &
     fi
     if [[ " ${RUNS[*]} " == *" baseline "* ]]; then
       CUDA_VISIBLE_DEVICES=$(gpu $g0) python3 trainer/train.py --config trainer/configs/smollm2_stage2.json \
-        --init_from $init --stage 1 --carryover false --num_anchors 256 \
+        --init_from $init --stage 1 --carryover false --num_anchors 256 $L1 \
         --data_dir $A/data/train --eval_data_dir $A/data/eval \
         --output_dir $A/runs/$typ-baseline --max_steps $N --max_minutes $S2_MINUTES ${TRAIN_EXTRA:-} \
         > "$L/train_$typ-baseline.log" 2>&1 &

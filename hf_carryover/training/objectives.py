@@ -88,6 +88,13 @@ def proposal_logits(drafter, hidden, prev_tokens, ok=None):
     return logits
 
 
+def target_rows(tlogits, ok, pos):
+    """The target's logits for each valid proposal row, `[n_ok, V]` in `ok`'s row-major order: the row at position
+    pos - 1 of that row's sequence predicts the token at pos, as the proposal does (DSpark's L1 term compares them)."""
+    rows = ok.nonzero(as_tuple=True)[0]  # the sequence of each valid row
+    return tlogits[rows, (pos[ok] - 1).clamp(max=tlogits.shape[1] - 1)]
+
+
 def _data_parallel_denominator(denom):
     """The loss denominator shared by all data-parallel ranks: the mean of their weight sums.
 
@@ -215,10 +222,7 @@ def stage1_loss(model, drafter, target, batch, num_anchors=512, l1_weight=0.0, b
     hidden = draft_blocks(model, drafter, input_ids, feats, ctx_valid, anchors, backend=backend)
     labels, ok, prev, pos = block_targets(input_ids, seq_len, anchors, a_ok, drafter.config.num_proposals)
     logits = proposal_logits(drafter, hidden, prev, ok)  # [n_ok, V]
-    t_logits = None  # the target's distribution at each valid proposal's position (it predicts the same token)
-    if tlogits is not None:
-        rows = ok.nonzero(as_tuple=True)[0]  # the sequence of each valid row
-        t_logits = tlogits[rows, (pos[ok] - 1).clamp(max=L - 1)]  # [n_ok, V]
+    t_logits = target_rows(tlogits, ok, pos) if tlogits is not None else None  # [n_ok, V]
     loss, m = block_loss(logits, labels, ok, position_weights(drafter.config, input_ids.device), t_logits, l1_weight)
     return loss, m
 
@@ -268,11 +272,13 @@ def stage2_loss(model, drafter, target, batch, num_anchors=128, l1_weight=0.0, b
     hands a drafter only rows of drafts that themselves had rows; `examples/carryover_chain_probe.py` found the
     rows help in the first case and not in the second (2026-11-30b). chain=c follows the chain c steps (no grad)
     and trains the draft at every shifted anchor t1..tc with the rows handed to it; the carryover term is their
-    mean. All blocks share one gradient forward."""
+    mean. All blocks share one gradient forward. l1_weight > 0 (DSpark's term, the Markov drafter) keeps stage 1's
+    (1-w) CE + w L1 in every term, so that a Markov pair's Carryover member trains the objective its baseline
+    continues with."""
     input_ids, seq_len, prompt_len = batch["input_ids"], batch["seq_len"], batch["prompt_len"]
     cfg, dev = drafter.config, input_ids.device
     ctx_valid = torch.arange(input_ids.shape[1], device=dev)[None] < seq_len[:, None]
-    feats, _ = target_pass(target, drafter, input_ids, ctx_valid, need_logits=False)
+    feats, tlogits = target_pass(target, drafter, input_ids, ctx_valid, need_logits=l1_weight > 0)
     anchors, a_ok = sample_anchors(prompt_len, seq_len, num_anchors, generator)
     c = carry_chain(drafter, target, input_ids, feats, ctx_valid, seq_len, anchors, a_ok, chain, backend)
     N, k = anchors.shape[1], c["proposals"][0].shape[2]
@@ -281,13 +287,14 @@ def stage2_loss(model, drafter, target, batch, num_anchors=128, l1_weight=0.0, b
     carry, carry_pos, carry_valid = (torch.cat(x, 1) for x in zip(*c["rows"]))  # [b, chain*N*k, ...]
     hidden = draft_blocks(model, drafter, input_ids, feats, ctx_valid, all_anchors, carry=carry, carry_pos=carry_pos,
                           carry_valid=carry_valid, k=k, carry_offset=N, backend=backend)
-    labels, ok, prev, _ = block_targets(input_ids, seq_len, all_anchors, torch.cat(c["ok"], 1), cfg.num_proposals)
+    labels, ok, prev, pos = block_targets(input_ids, seq_len, all_anchors, torch.cat(c["ok"], 1), cfg.num_proposals)
     w = position_weights(cfg, dev)
     terms = []
     for s in range(chain + 1):  # group s: the blocks at t (s = 0) or at the s-th shifted anchor
         g = slice(s * N, (s + 1) * N)
         logits = proposal_logits(drafter, hidden[:, g], prev[:, g], ok[:, g])  # [n_ok of group s, V]
-        terms.append(block_loss(logits, labels[:, g], ok[:, g], w))
+        t_logits = target_rows(tlogits, ok[:, g], pos[:, g]) if tlogits is not None else None
+        terms.append(block_loss(logits, labels[:, g], ok[:, g], w, t_logits, l1_weight))
     (loss1, m1), m2 = terms[0], terms[-1][1]  # carry metrics: the last step (decoding's case when chain > 1)
     loss_carry = sum(t[0] for t in terms[1:]) / chain
     last, last_ok = c["anchors"][-1], c["ok"][-1]
@@ -310,6 +317,6 @@ def stage2_loss(model, drafter, target, batch, num_anchors=128, l1_weight=0.0, b
     return loss1 + loss_carry, metrics
 
 
-__all__ = ["stage1_loss", "stage2_loss", "carry_chain", "carryover_rows_valid", "eos_ids_of", "verify_all",
-           "sample_anchors", "block_targets", "greedy_proposals", "draft_blocks", "target_pass", "position_weights",
-           "block_loss"]
+__all__ = ["stage1_loss", "stage2_loss", "target_rows", "carry_chain", "carryover_rows_valid", "eos_ids_of",
+           "verify_all", "sample_anchors", "block_targets", "greedy_proposals", "draft_blocks", "target_pass",
+           "position_weights", "block_loss"]

@@ -23,7 +23,8 @@ class CarryoverTrainingArguments(TrainingArguments):
 
     stage: int = field(default=1, metadata={"help": "1: parallel-anchor baseline; 2: draft-verify-draft Carryover."})
     num_anchors: int = field(default=512, metadata={"help": "Anchors per sequence (stage 2: per draft pass)."})
-    l1_weight: float = field(default=0.0, metadata={"help": "DSpark: loss = (1-w) CE + w ||p_d - p_t||_1 (stage 1)."})
+    l1_weight: float = field(default=0.0, metadata={"help": "DSpark: loss = (1-w) CE + w ||p_d - p_t||_1 (stage 1, "
+                                                            "and every term of stage 2)."})
     carry_chain: int = field(default=1, metadata={"help": "Stage 2: chain steps of draft-with-rows -> verify before "
                                                           "the trained drafts (1: rows of a row-free draft only)."})
     attn_backend: str = field(default="sdpa", metadata={"help": "'sdpa' (dense boolean mask) or 'flex'."})
@@ -80,7 +81,9 @@ class CarryoverTrainer(Trainer):
         drafter = self.accelerator.unwrap_model(model)
         drafter.bind_target(self.target)
         fn = stage1_loss if self.args.stage == 1 else stage2_loss
-        kw = {"l1_weight": self.args.l1_weight} if self.args.stage == 1 else {"chain": self.args.carry_chain}
+        kw = {"l1_weight": self.args.l1_weight}
+        if self.args.stage == 2:
+            kw["chain"] = self.args.carry_chain
         return fn(model, drafter, self.target, inputs, num_anchors=self.args.num_anchors,
                   backend=self.args.attn_backend, **kw)
 
