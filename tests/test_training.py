@@ -201,12 +201,17 @@ def test_valid_rows_only_logits_change_nothing(typ, monkeypatch):
         hidden = draft_blocks(drafter, drafter, ids, feats, ctx_valid, anchors)
         labels, ok, prev, pos = block_targets(ids, sl, anchors, a_ok, drafter.config.num_proposals)
         logits = full(drafter, hidden, prev)  # [b, N, P, V]; the target's row at pos - 1 predicts the token at pos
-        t_full = tl.gather(1, (pos - 1).clamp(max=L - 1).flatten(1)[..., None].expand(-1, -1, tl.shape[-1]))
+
+        def rows_at(p):  # the target's logits at positions p [b, N, P] -> [b, N, P, V]
+            idx = p.clamp(max=L - 1).flatten(1)[..., None].expand(-1, -1, tl.shape[-1])  # [b, N*P, V]
+            return tl.gather(1, idx).view(*p.shape, -1)
+
+        t_full = rows_at(pos - 1)
         ref, m_ref = full_block_loss(logits, labels, ok, objectives.position_weights(drafter.config, ids.device),
                                      t_full.view_as(logits), 0.9)
         assert torch.allclose(loss, ref, rtol=1e-5, atol=1e-6) and m["ce"] == pytest.approx(m_ref["ce"], rel=1e-5)
         # negative control: target rows one position off give another loss, so the equality above can fail
-        t_off = tl.gather(1, pos.clamp(max=L - 1).flatten(1)[..., None].expand(-1, -1, tl.shape[-1]))
+        t_off = rows_at(pos)
         off, _ = full_block_loss(logits, labels, ok, objectives.position_weights(drafter.config, ids.device),
                                  t_off.view_as(logits), 0.9)
         assert not torch.allclose(off, ref, rtol=1e-4)
@@ -224,10 +229,8 @@ def test_valid_rows_only_logits_change_nothing(typ, monkeypatch):
         assert len(seen_losses) == 2 and all(a[-1] == 0.9 and a[-2] is not None for a in seen_losses)
         for g, args in enumerate(seen_losses):
             ok_g, pos_g = ok_all[:, g * n:(g + 1) * n], pos_all[:, g * n:(g + 1) * n]
-            t_g = tl.gather(1, (pos_g - 1).clamp(max=L - 1).flatten(1)[..., None].expand(-1, -1, tl.shape[-1]))
-            assert torch.equal(args[-2], t_g.view(*pos_g.shape, -1)[ok_g]), g
-            t_g_off = tl.gather(1, pos_g.clamp(max=L - 1).flatten(1)[..., None].expand(-1, -1, tl.shape[-1]))
-            assert not torch.equal(args[-2], t_g_off.view(*pos_g.shape, -1)[ok_g])
+            assert torch.equal(args[-2], rows_at(pos_g - 1)[ok_g]), g
+            assert not torch.equal(args[-2], rows_at(pos_g)[ok_g])
         monkeypatch.setattr(objectives, "block_loss", real_loss)
         loss0, _ = stage2_loss(drafter, drafter, target, batch, num_anchors=64,
                                generator=torch.Generator().manual_seed(0))

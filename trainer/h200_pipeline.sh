@@ -125,6 +125,9 @@ profile_job() {  # profile_job GPU TAG: where a generate() round's time goes on 
     --drafter $f --num_assistant_tokens 15 4 --lookup 15 --max_new_tokens 128 --out $R/$2_profile_gpu$1.json \
     > "$L/profile_$2.log" 2>&1 || log "profile stopped: $?"
 }
+l1_flag() {  # l1_flag TYPE: the Markov drafter trains DSpark's 0.1 CE + 0.9 ||p_draft - p_target||_1 (both stages)
+  [ "$1" = markov ] && echo "--l1_weight 0.9" || true
+}
 have_target() { [ -f "$A/cache/SmolLM2-135M-Instruct/hf_carryover_source.json" ] || [ -f "$A/smollm2.gguf" ]; }
 ready_target() {  # the converted reference target, joining the GGUF first where this machine has none yet
   have_target || join_gguf
@@ -215,7 +218,7 @@ train1)
     # fp32=train_float32,train/regen-T1-s1,train/regen-T1-s2"); S1_STEPS steps each on one cosine schedule (give it:
     # a time-fitted schedule would give the arms different steps), S1_MINUTES a safety cap; runs/TYPE-stage1-NAME.
     [ ${#TYPES[@]} = 1 ] && [ -n "${S1_STEPS:-}" ] || { log "S1_ARMS needs one type (TYPES=dflash) and S1_STEPS"; exit 2; }
-    typ=${TYPES[0]}; L1=""; [ "$typ" = markov ] && L1="--l1_weight 0.9"; i=0
+    typ=${TYPES[0]}; L1=$(l1_flag $typ); i=0
     for arm in $S1_ARMS; do
       name=$typ-stage1-${arm%%=*}; dirs=""; IFS=, read -ra parts <<< "${arm#*=}"
       for d in "${parts[@]}"; do dirs="$dirs${dirs:+,}$A/data/$d"; done
@@ -226,12 +229,12 @@ train1)
       S1_RUNS_DONE+=($name); i=$((i + 1))
     done
   elif [ ${#TYPES[@]} = 1 ] && [ $NGPU = 1 ]; then  # one type on one GPU (S1_DATA: comma-separated data folders)
-    typ=${TYPES[0]}; L1=""; [ "$typ" = markov ] && L1="--l1_weight 0.9"; S1_RUNS_DONE=($typ-stage1)
+    typ=${TYPES[0]}; L1=$(l1_flag $typ); S1_RUNS_DONE=($typ-stage1)
     CUDA_VISIBLE_DEVICES=0 python3 trainer/train.py --config trainer/configs/smollm2_stage1.json --drafter_type $typ $L1 \
       --data_dir ${S1_DATA:-$A/data/train} --eval_data_dir $A/data/eval --output_dir $A/runs/$typ-stage1 --max_steps 20000 \
       --max_minutes $S1_MINUTES --fit_schedule_to_time true $INIT ${TRAIN_EXTRA:-} > "$L/train_$typ-stage1.log" 2>&1 &
   elif [ ${#TYPES[@]} = 1 ]; then  # one type, both GPUs: data-parallel stage 1 (global batch 2 x per-device)
-    typ=${TYPES[0]}; L1=""; [ "$typ" = markov ] && L1="--l1_weight 0.9"; S1_RUNS_DONE=($typ-stage1)
+    typ=${TYPES[0]}; L1=$(l1_flag $typ); S1_RUNS_DONE=($typ-stage1)
     accelerate launch --num_processes 2 ${DDP_FLAGS:---multi_gpu} --main_process_port 29511 trainer/train.py \
       --config trainer/configs/smollm2_stage1.json --drafter_type $typ $L1 --data_dir $A/data/train \
       --eval_data_dir $A/data/eval --output_dir $A/runs/$typ-stage1 --max_steps 20000 --max_minutes $S1_MINUTES \
@@ -239,7 +242,7 @@ train1)
   else for i in 0 1; do  # two types: S1_STEPS gives both the same steps on one cosine schedule (the four-drafter
     # comparison: identical data and steps), S1_MINUTES then only a safety cap; else each fits its schedule to the time
     typ=${TYPES[$i]}; S1_RUNS_DONE+=($typ-stage1)
-    L1=""; [ "$typ" = markov ] && L1="--l1_weight 0.9"  # DSpark: 0.1 CE + 0.9 ||p_draft - p_target||_1
+    L1=$(l1_flag $typ)
     STEPS="--max_steps 20000 --fit_schedule_to_time true"; [ -n "${S1_STEPS:-}" ] && STEPS="--max_steps $S1_STEPS"
     CUDA_VISIBLE_DEVICES=$(gpu $i) python3 trainer/train.py --config trainer/configs/smollm2_stage1.json \
       --drafter_type $typ $L1 --data_dir $A/data/train --eval_data_dir $A/data/eval \
@@ -283,10 +286,11 @@ stage2)
     # S2_TAG=-gated to keep it beside an ungated one)
     g0=$i; g1=$i; share=3; [ ${#TYPES[@]} = 1 ] && [ $NGPU -ge 2 ] && { g1=1; share=2; }
     [ ${#RUNS[@]} = 1 ] && { g0=${S2_GPU:-$i}; g1=$g0; }
-    L1=""; [ "$typ" = markov ] && L1="--l1_weight 0.9"  # both Markov runs keep DSpark's term (stage 1's weight)
+    L1=$(l1_flag $typ)  # both Markov runs keep DSpark's term
     fit=$(last_fit $init/train_log.json 2>/dev/null || true)
     N=${S2_STEPS:-$(python3 -c "print(int(0.8 * (${S2_MINUTES} * 60 - 45) / ($share * float('${fit#* }'))) if '$fit' else 800)")}
-    log "$typ stage 2 from $init: $N steps each, runs: ${RUNS[*]} (baseline: GPU $(gpu $g0), Carryover: GPU $(gpu $g1), if run)"
+    log "$typ stage 2 from $init: $N steps each, runs: ${RUNS[*]}" \
+        "(baseline: GPU $(gpu $g0), Carryover: GPU $(gpu $g1), if run)"
     if [[ " ${RUNS[*]} " == *" carryover "* ]]; then
       CUDA_VISIBLE_DEVICES=$(gpu $g1) python3 trainer/train.py --config trainer/configs/smollm2_stage2.json \
         --init_from $init $L1 --data_dir $A/data/train --eval_data_dir $A/data/eval \
