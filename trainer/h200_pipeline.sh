@@ -553,6 +553,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
   # override the defaults below (e.g. --compile, --limit 32 --batch_sizes 1 2 4 8 16, --temperature 1) and an optional
   # fifth field, the job's time box in seconds (default ENGINE_BOX). The job
   # "profile" splits a generate() round's time on the GPU (examples/profile_generate.py --device cuda); the job
+  # "engprofile" splits a captured engine round's (examples/profile_engine.py, PROFILE_* below); the job
   # "check" runs the fp32 exactness check of compiled rounds (CHECK_SECONDS, CHECK_KINDS, CHECK_BATCHES, CHECK_LOOKUP,
   # CHECK_DETERMINISTIC=1, CHECK_CONTINUOUS=1: continuous batching against static too, CHECK_NOCOMPILE=" ": graph
   # engines without the compiled one): a random drafter, or with CHECK_DRAFTER=NAME a trained one on the real target, also
@@ -576,6 +577,20 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
       flush; return
     fi
     if [ "$3" = profile ]; then profile_job $1 $stamp; flush; return; fi
+    if [ "$3" = engprofile ]; then  # examples/profile_engine.py: where a captured round's time goes (batch 1, bf16),
+      # PROFILE_DRAFTER (default dflash-carryover-gated) with its draft_tree.json, once per PROFILE_INDUCTOR variant
+      # (';'-separated inductor option lists, "-" for none), modes PROFILE_MODES, PROFILE_ARGS added
+      f=$A/drafters/${PROFILE_DRAFTER:-dflash-carryover-gated}; [ -d $f ] || f=$A/runs/${PROFILE_DRAFTER:-}/final
+      IFS=';' read -ra V <<< "${PROFILE_INDUCTOR:--}"; i=0
+      for v in "${V[@]}"; do v=$(sed 's/^ *//; s/ *$//' <<< "$v"); [ "$v" = - ] && v=""
+        CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${PROFILE_SECONDS:-300} $(pin $1) python3 examples/profile_engine.py \
+          --drafter $f --tree $f/draft_tree.json --prompts_dir $A/prompts --modes ${PROFILE_MODES:-ar tree_lookup} \
+          ${v:+--inductor $v} ${PROFILE_ARGS:-} --out $R/${stamp}_profile_engine_$i.json \
+          > "$L/engprofile_${stamp}_$i.log" 2>&1 || log "engine profile $i stopped: $?"
+        flush; i=$((i+1))
+      done
+      return
+    fi
     if [ "$3" = replaydiff ]; then  # trainer/gpu_replay_diff.py: where eager and replayed rounds part, round by round,
       # on the real target and REPLAY_DRAFTER (default dflash-carryover-gated), once per REPLAY_MODES (--determinism;
       # default "none all"), with REPLAY_CONFIGS, REPLAY_PAIRS, REPLAY_PROMPTS; REPLAY_PROBE=N: the cumsum probe too

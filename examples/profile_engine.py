@@ -1,0 +1,239 @@
+"""Where a captured fast-engine round spends its time on the GPU, at batch 1: plain decoding against a drafter round
+(linear block or draft tree, with or without context lookup).
+
+Why: on the H200 a round of the Carryover drafter with a 31-node tree + lookup costs about 1.7 plain decoding steps
+(`h200-2026-12-01h`: τ 3.21 gave 1.90× on HumanEval), where a launch-bound 135M target should verify 32 rows for
+about the price of one and the 3-layer drafter should add little. The speed goals of #4 hinge on that difference, so
+this script splits it, per mode:
+  * `gpu_ms`: one round's GPU time, the captured round replayed back to back (the host never in the way);
+  * `synced_ms`: the same with one host sync per round, as the engine's loop does;
+  * `generate_ms_per_round`: wall time of `engine.generate()` per round over real prompts, and `prefill_ms` (the
+    eager prefill, timed alone) per prompt, which generate() pays once per prompt;
+  * `kernels`: per round, the number of kernels and their time by kind (GEMM, attention, Triton-fused, index,
+    copy, other) and the 20 costliest kernel names, from `torch.profiler` over replays of the captured round;
+  * `parts` (with a drafter): the drafter's block forward and the target's forward over 1 and over N+1 rows,
+    each compiled and captured alone, so round - parts = what the tree/acceptance/state bookkeeping costs.
+
+    python examples/profile_engine.py --drafter model_cards/smollm2-135m-instruct-dflash-carryover \
+        --tree model_cards/smollm2-135m-instruct-dflash-carryover/draft_tree.json --tree_nodes 31 --lookup 15 \
+        --prompts_dir assets/prompts --out profile_engine.json
+    ... --inductor combo_kernels=True    # the same with an inductor option set (a fresh process compiles anew)
+
+CUDA only (captured rounds); the JSON carries the command, commit, GPU and versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from evaluate_tau import environment, load_drafters, load_prompts, load_target  # noqa: E402
+
+
+def kernel_kind(name: str) -> str:
+    n = name.lower()
+    if any(s in n for s in ("fmha", "flash", "attention", "attn")):
+        return "attention"
+    if any(s in n for s in ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas")):
+        return "gemm"
+    if n.startswith("triton"):
+        return "triton"
+    if any(s in n for s in ("scatter", "gather", "index")):
+        return "index"
+    if "memcpy" in n or "memset" in n:
+        return "copy"
+    return "other"
+
+
+def replay_ms(fn, n: int, sync_each: bool = False, sync=None) -> float:
+    """Mean ms per call of `fn` over n calls, after one untimed call; sync_each: a host sync after every call."""
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+        if sync_each:
+            sync()
+    torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - t) / n
+
+
+def kernel_profile(fn, n: int) -> dict:
+    """Kernels per call of `fn` (a graph replay) by kind, from torch.profiler over n calls."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    kinds, names = defaultdict(lambda: [0, 0.0]), defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        us = e.time_range.elapsed_us()
+        for table, key in ((kinds, kernel_kind(e.name)), (names, e.name[:120])):
+            table[key][0] += 1
+            table[key][1] += us
+    per = lambda t: {k: {"count": c / n, "ms": us / n / 1000} for k, (c, us) in t.items()}  # noqa: E731
+    top = dict(sorted(per(names).items(), key=lambda kv: -kv[1]["ms"])[:20])
+    total = {"count": sum(c for c, _ in kinds.values()) / n, "ms": sum(us for _, us in kinds.values()) / n / 1000}
+    return {"total": total, "by_kind": per(kinds), "top": top}
+
+
+def capture(fn, state_tensors) -> torch.cuda.CUDAGraph:
+    from hf_carryover.engine.graphs import capture_round
+
+    return capture_round(fn, state_tensors)
+
+
+def profile_mode(args, target, drafter, prompts, eos, name, tree=None, lookup=None, parts=False) -> dict:
+    from hf_carryover.engine.engine import SpeculativeEngine
+
+    longest = max(len(p) for p in prompts)
+    k = drafter.config.num_proposals if drafter is not None else (lookup or 0)
+    eng = SpeculativeEngine(target, drafter, max_len=longest + args.max_new_tokens + 2 * k + 2, cuda_graphs=True,
+                            compile=True)
+    held = {}
+    make_state = eng._state
+
+    def keep_state(*a, **kw):  # the DecodeState generate() decodes in (the captured round reads and writes it)
+        held["st"] = make_state(*a, **kw)
+        return held["st"]
+
+    eng._state = keep_state
+    kw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos, prompt_lookup_num_tokens=lookup, tree=tree,
+              tree_nodes=args.tree_nodes if tree is not None else None)
+    t0 = time.perf_counter()
+    eng.generate([prompts[0]], **kw)  # compile + capture
+    torch.cuda.synchronize()
+    res = {"mode": name, "compile_and_capture_s": time.perf_counter() - t0}
+    wall, acc, tokens = 0.0, [], 0
+    for p in prompts:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = eng.generate([p], **kw)
+        torch.cuda.synchronize()
+        wall += time.perf_counter() - t
+        acc += [a for r in eng.rounds for a in r]
+        tokens += len(out[0])
+    st = held["st"]
+    # the eager prefill generate() runs once per prompt, timed alone
+    pre = []
+    for p in prompts:
+        toks = torch.tensor([p], device=st.anchor.device)
+        pos = eng._steps[: len(p)][None]
+        pre.append(replay_ms(lambda: eng._target_forward(st.cache, toks, pos), 3))
+    graphs = [g for g in eng._graphs.values() if isinstance(g, torch.cuda.CUDAGraph)]
+    res.update(last_mode=eng.last_mode, prompts=len(prompts), tokens=tokens, rounds=len(acc),
+               tau=(sum(acc) + len(acc)) / len(acc), tok_per_s=tokens / wall, generate_ms_per_round=1000 * wall / len(acc),
+               prefill_ms=sum(pre) / len(pre), captured_round_graphs=len(graphs))
+    if graphs:  # replays on the finished state run the same kernels (finished rows are masked, not skipped)
+        g = graphs[0]
+        res["gpu_ms"] = replay_ms(g.replay, args.replays)
+        res["synced_ms"] = replay_ms(g.replay, args.replays, sync_each=True, sync=lambda: st.flags.tolist())
+        res["kernels"] = kernel_profile(g.replay, args.profile_replays)
+    if parts and drafter is not None:
+        res["parts"] = part_times(args, eng, st, tree)
+    print(json.dumps({k: v for k, v in res.items() if k not in ("kernels", "parts")}), flush=True)
+    return res
+
+
+def part_times(args, eng, st, tree) -> dict:
+    """The drafter's block forward and the target's forward over 1 and over N+1 rows, each compiled and captured
+    alone on the engine's state (their writes land at or past the finished rows' anchors: masked, as in the engine)."""
+    comp = lambda f: torch.compile(f, dynamic=False)  # noqa: E731
+    n = (args.tree_nodes or tree.num_nodes) + 1 if tree is not None else st.k + 1
+    block = st.anchor[:, None].expand(-1, n).contiguous()  # [b, n]
+    pos = st.anchor_pos[:, None] + eng._steps[:n]  # [b, n]
+    draft = comp(eng._draft_logits)
+    on = eng.drafter.config.carryover  # as the engine's rounds: no carryover rows for a baseline drafter
+    verify = comp(eng._target_forward)
+    fns = {
+        "drafter_block": lambda: draft(st.dcache, st.anchor, st.anchor_pos, st.carry if on else None, st.carry_pos,
+                                       st.carry_valid if on else st.carry_valid[:, :0]),
+        "target_1_row": lambda: verify(st.cache, st.anchor[:, None], st.anchor_pos[:, None]),
+        f"target_{n}_rows": lambda: verify(st.cache, block, pos),
+    }
+    out = {}
+    for name, fn in fns.items():
+        g = capture(fn, st.tensors() + st.cache.k + st.cache.v)
+        out[name] = {"gpu_ms": replay_ms(g.replay, args.replays), "kernels": kernel_profile(g.replay, 5)["total"]}
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="reference")
+    p.add_argument("--drafter", help="a drafter folder (remote code)")
+    p.add_argument("--tree", help="a draft-tree JSON (rank paths), for the drafter's tree rows")
+    p.add_argument("--tree_nodes", type=int, help="nodes verified per tree round (default: the whole tree)")
+    p.add_argument("--lookup", type=int, default=15)
+    p.add_argument("--prompts_dir", default="assets/prompts")
+    p.add_argument("--dataset", default="humaneval")
+    p.add_argument("--limit", type=int, default=4)
+    p.add_argument("--max_new_tokens", type=int, default=256)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--replays", type=int, default=200)
+    p.add_argument("--profile_replays", type=int, default=10)
+    p.add_argument("--modes", nargs="+", default=["ar", "lookup", "linear_lookup", "tree_lookup"],
+                   choices=["ar", "lookup", "linear", "linear_lookup", "tree", "tree_lookup"])
+    p.add_argument("--no_parts", action="store_true", help="skip the separately captured parts")
+    p.add_argument("--inductor", nargs="*", default=[], help="inductor config options KEY=VALUE (Python literals)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_engine.py times captured CUDA rounds: it needs a GPU")
+    import ast
+
+    import torch._inductor.config as icfg
+
+    for opt in args.inductor:
+        key, val = opt.split("=", 1)
+        obj, *path = key.split(".")
+        holder = icfg
+        for part in [obj, *path][:-1]:
+            holder = getattr(holder, part)
+        setattr(holder, key.split(".")[-1], ast.literal_eval(val))
+    dtype = getattr(torch, args.dtype)
+    target = load_target(args.target, dtype, "cuda")
+    drafter = None
+    if args.drafter:
+        drafter = load_drafters([f"d={args.drafter}"], dtype, "cuda")["d"]
+    tree = None
+    if args.tree:
+        from hf_carryover.engine.tree import TreeSpec
+
+        tree = TreeSpec.load(args.tree)
+    prompts = [r["input_ids"] for r in load_prompts(args.prompts_dir, args.dataset, args.limit)]
+    eos = target.generation_config.eos_token_id
+    record = {"command": " ".join(sys.argv), "env": environment(), "inductor": args.inductor, "modes": []}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    spec = {"ar": (None, None, None), "lookup": (None, None, args.lookup), "linear": (drafter, None, None),
+            "linear_lookup": (drafter, None, args.lookup), "tree": (drafter, tree, None),
+            "tree_lookup": (drafter, tree, args.lookup)}
+    for mode in args.modes:
+        d, t, look = spec[mode]
+        if mode != "ar" and mode != "lookup" and drafter is None or mode.startswith("tree") and tree is None:
+            continue
+        try:
+            record["modes"].append(profile_mode(args, target, d, prompts, eos, mode, t, look,
+                                                parts=not args.no_parts and mode == args.modes[-1]))
+        except Exception as e:  # noqa: BLE001  (keep the modes already measured)
+            record["modes"].append({"mode": mode, "error": f"{type(e).__name__}: {e}"})
+            print(f"{mode}: {type(e).__name__}: {e}", flush=True)
+        Path(args.out).write_text(json.dumps(record, indent=1))  # every finished mode at once
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
