@@ -172,8 +172,14 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
         chunks, kw["batch_size"] = [prompts], batch  # the warm-up below then runs the whole queue once
     if tree is not None:
         kw.update(tree=tree, tree_nodes=tree_nodes)
-    for size in sorted({len(c) for c in chunks}):  # warm-up, capture and compile outside the timed loop, per batch
-        engine.generate(next(c for c in chunks if len(c) == size), **kw)  # per shape
+    from hf_carryover.engine.refill import WIDTH_ALIGN
+
+    seen = set()  # warm-up, capture and compile outside the timed loop: per batch shape, and per prompt-width bucket
+    for c in chunks:  # (a captured row prefill graph each, `refill.py`)
+        new = {(len(c), -(-len(p) // WIDTH_ALIGN)) for p in c} - seen
+        if new:
+            engine.generate(c, **kw)
+            seen |= new
     engine.timing = dict.fromkeys(engine.timing, 0)  # the profile covers the timed calls only
     n_tok, secs, acc, modes, looked, skipped = 0, 0.0, [], [], 0, 0
     for i, chunk in enumerate(chunks):

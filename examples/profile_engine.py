@@ -96,7 +96,8 @@ def capture(fn, state_tensors) -> torch.cuda.CUDAGraph:
     return capture_round(fn, state_tensors)
 
 
-def profile_mode(args, target, drafter, prompts, eos, name, tree=None, lookup=None, parts=False) -> dict:
+def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, lookup=None, parts=False) -> dict:
+    """One mode's figures (module docstring); `save(res)` stores what is measured so far."""
     from hf_carryover.engine.engine import SpeculativeEngine
 
     longest = max(len(p) for p in prompts)
@@ -142,9 +143,11 @@ def profile_mode(args, target, drafter, prompts, eos, name, tree=None, lookup=No
         res["gpu_ms"] = replay_ms(g.replay, args.replays)
         res["synced_ms"] = replay_ms(g.replay, args.replays, sync_each=True, sync=lambda: st.flags.tolist())
         res["kernels"] = kernel_profile(g.replay, args.profile_replays)
+    print(json.dumps({k: v for k, v in res.items() if k not in ("kernels", "parts")}), flush=True)
+    save(res)  # before the parts, which compile three more graphs
     if parts and drafter is not None:
         res["parts"] = part_times(args, eng, st, tree)
-    print(json.dumps({k: v for k, v in res.items() if k not in ("kernels", "parts")}), flush=True)
+        save(res)
     return res
 
 
@@ -221,17 +224,21 @@ def main():
     spec = {"ar": (None, None, None), "lookup": (None, None, args.lookup), "linear": (drafter, None, None),
             "linear_lookup": (drafter, None, args.lookup), "tree": (drafter, tree, None),
             "tree_lookup": (drafter, tree, args.lookup)}
+    def save(res):  # every measured figure at once (a time box must not lose finished numbers)
+        Path(args.out).write_text(json.dumps({**record, "modes": record["modes"] + [res]}, indent=1))
+
     for mode in args.modes:
         d, t, look = spec[mode]
         if mode != "ar" and mode != "lookup" and drafter is None or mode.startswith("tree") and tree is None:
             continue
         try:
-            record["modes"].append(profile_mode(args, target, d, prompts, eos, mode, t, look,
-                                                parts=not args.no_parts and mode == args.modes[-1]))
+            res = profile_mode(args, target, d, prompts, eos, mode, save, t, look,
+                               parts=not args.no_parts and mode == args.modes[-1])
         except Exception as e:  # noqa: BLE001  (keep the modes already measured)
-            record["modes"].append({"mode": mode, "error": f"{type(e).__name__}: {e}"})
-            print(f"{mode}: {type(e).__name__}: {e}", flush=True)
-        Path(args.out).write_text(json.dumps(record, indent=1))  # every finished mode at once
+            res = {"mode": mode, "error": f"{type(e).__name__}: {e}"}
+            print(f"{mode}: {res['error']}", flush=True)
+        record["modes"].append(res)
+        Path(args.out).write_text(json.dumps(record, indent=1))
     print(f"wrote {args.out}")
 
 

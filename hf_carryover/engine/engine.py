@@ -182,7 +182,7 @@ class SpeculativeEngine:
         "cuda_graph", "eager (no CUDA)", "eager (profile)", "eager (nothing to decode)" or "eager (capture failed:
         <error>)" (warned once per shape: a failed shape is not captured again).
 
-        compile=True runs each round through `torch.compile` (inductor, static shapes; the prefill stays eager):
+        compile=True runs each round through `torch.compile` (inductor, static shapes; the prefill is not compiled):
         its fused kernels replace the dozens of small ones an HF decoder layer launches (unfused RMSNorm, RoPE,
         SiLU*up), which is where a batch-1 step of a small target spends its time. With cuda_graphs the compiled
         round is what gets captured, and `last_mode` gains "+compile". Compiled kernels may round differently
@@ -231,7 +231,11 @@ class SpeculativeEngine:
         self._caches: dict = {}  # b -> (TargetStaticCache, DrafterStaticCache | None)
         self._states: dict = {}  # (b, k, cap, n_eos) -> DecodeState
         self._graphs: dict = {}  # (b, k, cap, n_eos) -> CUDAGraph, or the error text of a failed capture
-        self._prefills: dict = {}  # (b, graphs?) -> RowPrefill (continuous batching's row refill)
+        self._prefills: dict = {}  # (b, graphs?) -> RowPrefill (the row prefill: refills and captured prefills)
+        # how a call prefills its prompts: None = row by row through captured width-bucket graphs where the rounds
+        # are captured (CUDA, cuda_graphs, no profiling), else one eager forward for the batch; True / False force
+        # the row prefill (eager off CUDA) / the batched one (tests compare the two)
+        self.row_prefill: bool | None = None
 
     # ------------------------------------------------------------------ static buffers
     def _state(self, b, k, max_new, n_eos, dev, dtype, n_noise=None) -> DecodeState:
@@ -587,18 +591,25 @@ class SpeculativeEngine:
                                                                                   device=dev))
             return last.argmax(-1)
 
-        # prefill (eager: its width depends on the prompts): prompts left-aligned at position 0; positions past
+        # prefill (not compiled: its width depends on the prompts): prompts left-aligned at position 0; positions past
         # a row's prompt hold padding for now, overwritten by that row's rounds before any query can see them
         plen = torch.tensor([len(p) for p in prompts[:b]], device=dev)
         width = int(plen.max())
         toks = torch.zeros(b, width, dtype=torch.long, device=dev)
         for r, p in enumerate(prompts[:b]):
             toks[r, : len(p)] = torch.tensor(p, device=dev)
-        pos = self._steps[:width][None].expand(b, -1)
-        logits, feats = self._target_forward(st.cache, toks, pos)
-        anchor = first_token(logits[torch.arange(b, device=dev), plen - 1])
-        if self.drafter is not None:
-            st.dcache.write(self.drafter, self.drafter.fuse(feats), pos)
+        can_capture = self.cuda_graphs and _is_cuda(dev) and not self.profile
+        if self.row_prefill if self.row_prefill is not None else can_capture:
+            # row by row through the refill's width-bucket graphs (`refill.py`): an eager prefill of this 135M
+            # target took 47-84 ms on the H200's host (launch-bound), i.e. 25-45 captured plain decoding steps
+            prefill = self._row_prefill(st, b, can_capture)
+            anchor = first_token(torch.cat([prefill(r, p).clone() for r, p in enumerate(prompts[:b])]))  # [b]
+        else:
+            pos = self._steps[:width][None].expand(b, -1)
+            logits, feats = self._target_forward(st.cache, toks, pos)
+            anchor = first_token(logits[torch.arange(b, device=dev), plen - 1])
+            if self.drafter is not None:
+                st.dcache.write(self.drafter, self.drafter.fuse(feats), pos)
         st.reset(anchor, plen, eos, toks)
         st.temperature.fill_(temperature)
         if lookup:  # the first round's lookup (later rounds compute the next one's at their end)
@@ -628,10 +639,7 @@ class SpeculativeEngine:
             graphs[draft], modes[draft] = self._graph(st, dev, do_sample, lookup, draft, tree, tree_nodes)
         self.last_mode = modes[True]
         if n > b:  # continuous batching: the row prefill, with graphs when the rounds have them
-            key = (b, graphs[True] is not None)
-            if key not in self._prefills:
-                self._prefills[key] = RowPrefill(self, st, use_graphs=key[1])
-            prefill = self._prefills[key]
+            prefill = self._row_prefill(st, b, graphs[True] is not None)
         step = self._round_fn(do_sample, tree)
         if graphs[True] is None and step in (self._compiled_round, self._compiled_tree_round) and step is not None:
             self.last_mode += " +compile"
@@ -667,8 +675,20 @@ class SpeculativeEngine:
         self.rounds, self.lookup_rounds = rounds, looked
         return outputs
 
+    def _row_prefill(self, st: DecodeState, b: int, use_graphs: bool) -> RowPrefill:
+        """The row prefill of batch b (staging caches, one graph per prompt-width bucket), made once."""
+        key = (b, use_graphs)
+        if key not in self._prefills:
+            self._prefills[key] = RowPrefill(self, st, use_graphs=use_graphs)
+        return self._prefills[key]
+
     def _compiled(self, fn):
-        return torch.compile(fn, dynamic=False, backend=self._compile_backend)
+        # combo_kernels: inductor launches independent kernels (the K and V cache scatters, RoPE of q and k, ...) as
+        # one. A captured plain decoding step of the 135M target went from 635 kernels and 1.69 ms to 412 and 1.35 ms
+        # on the H200 (examples/profile_engine.py, examples/results/h200-2026-12-02b); at batch 1 the step is
+        # launch-bound, so fewer kernels is most of the speed
+        opts = {"combo_kernels": True} if self._compile_backend == "inductor" else None
+        return torch.compile(fn, dynamic=False, backend=self._compile_backend, options=opts)
 
     def _round_fn(self, do_sample, tree=None):
         """The compiled round where it applies (greedy or sampled; not when profiling: the clock's syncs would split

@@ -3,7 +3,8 @@
 `SpeculativeEngine._round` reads and writes only static tensors (`DecodeState` plus both caches) in place, so a
 `torch.cuda.CUDAGraph` recorded once replays a whole round (draft + verify + accept + state update) for every
 later round and every later prompt with the same (b, k, output capacity, number of EOS ids, greedy/sampled).
-The prefill stays eager: its shape depends on the prompt width, and it only writes into the same static tensors.
+The prefill is not part of the round: its shape depends on the prompt width. Where rounds are captured it runs row by
+row through one graph per width bucket (`refill.py`), and it only writes into the same static tensors.
 
 Sampling without a generator inside the graph: a sampled round reads its 2k+1 uniforms per row from
 `DecodeState.noise`, which the decode loop fills from the call's `torch.Generator` before every replay (one
