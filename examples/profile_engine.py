@@ -7,8 +7,9 @@ about the price of one and the 3-layer drafter should add little. The speed goal
 this script splits it, per mode:
   * `gpu_ms`: one round's GPU time, the captured round replayed back to back (the host never in the way);
   * `synced_ms`: the same with one host sync per round, as the engine's loop does;
-  * `generate_ms_per_round`: wall time of `engine.generate()` per round over real prompts, and `prefill_ms` (the
-    eager prefill, timed alone) per prompt, which generate() pays once per prompt;
+  * `generate_ms_per_round`: wall time of `engine.generate()` per round over real prompts (each prompt's width bucket
+    captured beforehand), and `prefill_ms` per prompt (the captured row prefill generate() runs, timed alone;
+    `eager_prefill_ms`: the eager batched forward it replaced);
   * `kernels`: per round, the number of kernels and their time by kind (GEMM, attention, Triton-fused, index,
     copy, other) and the 20 costliest kernel names, from `torch.profiler` over replays of the captured round;
   * `parts` (with a drafter): the drafter's block forward and the target's forward over 1 and over N+1 rows,
@@ -118,6 +119,8 @@ def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, loo
     eng.generate([prompts[0]], **kw)  # compile + capture
     torch.cuda.synchronize()
     res = {"mode": name, "compile_and_capture_s": time.perf_counter() - t0}
+    for p in prompts[1:]:  # the other prompts' width buckets (a captured row prefill each) outside the timing
+        eng.generate([p], **kw)
     wall, acc, tokens = 0.0, [], 0
     for p in prompts:
         torch.cuda.synchronize()
@@ -128,16 +131,20 @@ def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, loo
         acc += [a for r in eng.rounds for a in r]
         tokens += len(out[0])
     st = held["st"]
-    # the eager prefill generate() runs once per prompt, timed alone
-    pre = []
+    # the prefill generate() runs once per prompt (row by row, captured per width bucket), timed alone, and the
+    # eager batched one it replaced
+    pre, eager = [], []
+    row_prefill = eng._row_prefill(st, 1, True)
     for p in prompts:
         toks = torch.tensor([p], device=st.anchor.device)
         pos = eng._steps[: len(p)][None]
-        pre.append(replay_ms(lambda: eng._target_forward(st.cache, toks, pos), 3))
+        pre.append(replay_ms(lambda: row_prefill(0, p), 3))
+        eager.append(replay_ms(lambda: eng._target_forward(st.cache, toks, pos), 3))
     graphs = [g for g in eng._graphs.values() if isinstance(g, torch.cuda.CUDAGraph)]
     res.update(last_mode=eng.last_mode, prompts=len(prompts), tokens=tokens, rounds=len(acc),
                tau=(sum(acc) + len(acc)) / len(acc), tok_per_s=tokens / wall, generate_ms_per_round=1000 * wall / len(acc),
-               prefill_ms=sum(pre) / len(pre), captured_round_graphs=len(graphs))
+               prefill_ms=sum(pre) / len(pre), eager_prefill_ms=sum(eager) / len(eager),
+               captured_round_graphs=len(graphs))
     if graphs:  # replays on the finished state run the same kernels (finished rows are masked, not skipped)
         g = graphs[0]
         res["gpu_ms"] = replay_ms(g.replay, args.replays)
@@ -154,13 +161,12 @@ def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, loo
 def part_times(args, eng, st, tree) -> dict:
     """The drafter's block forward and the target's forward over 1 and over N+1 rows, each compiled and captured
     alone on the engine's state (their writes land at or past the finished rows' anchors: masked, as in the engine)."""
-    comp = lambda f: torch.compile(f, dynamic=False)  # noqa: E731
     n = (args.tree_nodes or tree.num_nodes) + 1 if tree is not None else st.k + 1
     block = st.anchor[:, None].expand(-1, n).contiguous()  # [b, n]
     pos = st.anchor_pos[:, None] + eng._steps[:n]  # [b, n]
-    draft = comp(eng._draft_logits)
+    draft = eng._compiled(eng._draft_logits)  # compiled as the engine compiles its rounds
     on = eng.drafter.config.carryover  # as the engine's rounds: no carryover rows for a baseline drafter
-    verify = comp(eng._target_forward)
+    verify = eng._compiled(eng._target_forward)
     fns = {
         "drafter_block": lambda: draft(st.dcache, st.anchor, st.anchor_pos, st.carry if on else None, st.carry_pos,
                                        st.carry_valid if on else st.carry_valid[:, :0]),

@@ -700,3 +700,23 @@ def test_data_stats_valid_row_share(tmp_path):
     # positions, the last two with 2 and 1 rows -> 2 * (253 * 3 + 3) / 255 of 6
     long = 2 * (253 * 3 + 3) / 255
     assert s["valid_row_share"]["2"] == pytest.approx((4 + 2 * long) / 18)
+
+
+def test_profile_engine_kernel_kinds_and_cpu_refusal():
+    """`profile_engine.py` sorts kernels by kind from their names (names as the H200 profile of 2026-12-02 reported
+    them), and on a machine without CUDA it stops with a message that says why instead of timing eager rounds."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from profile_engine import kernel_kind
+
+    kinds = {"nvjet_sm90_tst_64x8_64x16_2x4_h_bz_TNT": "gemm",
+             "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64": "attention",
+             "triton_poi_fused__unsafe_view_mul_silu_6": "triton",
+             "void at::native::_scatter_gather_elementwise_kernel<128, 8>": "index",
+             "Memset (Unknown)": "copy",
+             "void at::native::mbtopk::computeBlockDigitCounts<float, unsigned int>": "other"}
+    assert {n: kernel_kind(n) for n in kinds} == kinds
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is for machines without CUDA")
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "profile_engine.py"), "--out", "x.json"],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode != 0 and "needs a GPU" in run.stderr

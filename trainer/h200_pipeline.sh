@@ -76,6 +76,10 @@
 # (.vllm/bundle); vllmstash (.device/p1, assets/prompts); REGEN_ENGINE=vllm REGEN_SETS="0:0:0 1:2:0 eval" regen;
 # TYPES="dflash markov" S1_STEPS=600 train1; stage2 (S2_STEPS=120, gate -6) + tau; the DFlash Carryover stage 2 again
 # (out of memory beside the other three runs; stage2 now runs one pair at a time there) + tau; tau at T=1 (27 minutes).
+# Second run of 2026-12-02 (examples/results/h200-2026-12-02b/), one H200, no training: vllmstash x2 (.device/p1 +
+# assets/prompts; .vllm/drafters); engine with E0=engprofile; again after the engine change, then engine with
+# E0="check;engine_ar engine_tree_lookup|..." and engprofile; vllmstash x2 (.vllm/bundle; .device/p1) and vllm with
+# VLLM_DRAFTERS=none (vLLM AR beside engine AR). Its README has the exact commands.
 # vllmstash now refreshes the stashed folders' remote code: a folder saved by an older commit runs its own copy.
 # With drafter weights committed in model_cards/, run `bash trainer/device_tree.sh light` before the calls.
 # Checkpoints: stage2 packs all four drafters in bf16 and queues them as tar parts (DFlash pair first); each call
