@@ -600,8 +600,8 @@ class SpeculativeEngine:
             toks[r, : len(p)] = torch.tensor(p, device=dev)
         can_capture = self.cuda_graphs and _is_cuda(dev) and not self.profile
         if self.row_prefill if self.row_prefill is not None else can_capture:
-            # row by row through the refill's width-bucket graphs (`refill.py`): an eager prefill of this 135M
-            # target took 47-84 ms on the H200's host (launch-bound), i.e. 25-45 captured plain decoding steps
+            # row by row through the refill's width-bucket graphs (`refill.py`): an eager prefill of the 135M
+            # reference target took 45-84 ms on the H200's host (launch-bound), 26-50 captured plain decoding steps
             prefill = self._row_prefill(st, b, can_capture)
             anchor = first_token(torch.cat([prefill(r, p).clone() for r, p in enumerate(prompts[:b])]))  # [b]
         else:
@@ -683,8 +683,8 @@ class SpeculativeEngine:
         return self._prefills[key]
 
     def _compiled(self, fn):
-        # combo_kernels: inductor launches independent kernels (the K and V cache scatters, RoPE of q and k, ...) as
-        # one. A captured plain decoding step of the 135M target went from 635 kernels and 1.69 ms to 412 and 1.35 ms
+        # combo_kernels: inductor launches independent kernels (per layer, small RoPE, cache-write and attention-
+        # preparation kernels) as one. A captured plain decoding step of the 135M target went from 635 kernels and 1.69 ms to 412 and 1.35 ms
         # on the H200 (examples/profile_engine.py, examples/results/h200-2026-12-02b); at batch 1 the step is
         # launch-bound, so fewer kernels is most of the speed
         opts = {"combo_kernels": True} if self._compile_backend == "inductor" else None
