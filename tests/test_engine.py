@@ -9,6 +9,7 @@ from test_offline_tau import overfit
 from test_sampling import ALPHA, NEW, PROMPT, VOCAB16, _drafter, _pvalues, _target
 
 from hf_carryover.engine import engine as engine_mod
+from hf_carryover.engine import refill as refill_mod
 from hf_carryover.engine.engine import SpeculativeEngine
 from hf_carryover.engine.graphs import restored
 
@@ -274,13 +275,18 @@ def test_failed_capture_falls_back_to_eager_with_one_warning(monkeypatch):
             raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(engine_mod, "capture_round", broken)
+    monkeypatch.setattr(refill_mod, "capture_round", broken)  # the row prefill captures too (one graph per width)
     target = build_target("llama")
     drafter = build_drafter(target, "markov", True)
-    engine = SpeculativeEngine(target, drafter, max_len=64, cuda_graphs=True)
-    ref = SpeculativeEngine(target, drafter, max_len=64)
-    prompts = _prompts(0, (4, 7))
-    with pytest.warns(UserWarning, match="capture failed.*not permitted"):
+    engine = SpeculativeEngine(target, drafter, max_len=128, cuda_graphs=True)
+    ref = SpeculativeEngine(target, drafter, max_len=128)
+    prompts = _prompts(0, (4, 70))  # two width buckets: the prefill stops trying after its first failure
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         assert engine.generate(prompts, max_new_tokens=20) == ref.generate(prompts, max_new_tokens=20)
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert sum("row prefill" in m and "not permitted" in m for m in messages) == 1, messages
+    assert sum(m.startswith("CUDA-graph capture failed for batch") and "not permitted" in m for m in messages) == 1
     assert engine.last_mode == "eager (capture failed: RuntimeError: operation not permitted when stream is capturing)"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the failure is remembered per shape: no second attempt, no second warning

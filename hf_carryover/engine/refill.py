@@ -89,10 +89,13 @@ class RowPrefill:
                 if self.dcache is not None:
                     own += self.dcache.keys + self.dcache.values + self.st.dcache.keys + self.st.dcache.values
                 self.graphs[w] = capture_round(lambda: self._fill(w), own)
-            except Exception as e:  # noqa: BLE001  (as for rounds: a width that cannot be captured runs eagerly)
+            except Exception as e:  # noqa: BLE001  (as for rounds: what cannot be captured runs eagerly)
+                # a failed capture is a property of the model, not of the width: stop trying (one warning, no
+                # further capture attempts, each of which runs the prefill several times)
                 self.graphs[w] = None
-                warnings.warn(f"CUDA-graph capture of the row prefill (width {w}) failed; prefilling eagerly: "
-                              f"{type(e).__name__}: {e}", stacklevel=3)
+                self.use_graphs = False
+                warnings.warn(f"CUDA-graph capture of the row prefill (width {w}) failed; prefilling eagerly from now "
+                              f"on: {type(e).__name__}: {e}", stacklevel=3)
         graph = self.graphs.get(w) if self.use_graphs else None
         if graph is not None:
             graph.replay()
