@@ -245,10 +245,12 @@ def _fake_capture(captured):
 def test_graph_path_plumbing_with_eager_stand_in(monkeypatch, typ):
     """The cuda_graphs control flow on CPU: warm-up rounds on the live state leave no trace (restore), one capture
     per shape serves later prompts of other lengths, the replay loop gives the eager tokens and rounds, greedy and
-    sampled (one more capture, and the same seed draws the eager tokens: the uniforms are drawn outside the round)."""
+    sampled (one more capture, and the same seed draws the eager tokens: the uniforms are drawn outside the round).
+    The prompts are prefilled through the row prefill's stand-in graphs: one per width bucket, all prompts here in one."""
     monkeypatch.setattr(engine_mod, "_is_cuda", lambda dev: True)
-    captured = []
+    captured, prefills = [], []
     monkeypatch.setattr(engine_mod, "capture_round", _fake_capture(captured))
+    monkeypatch.setattr(refill_mod, "capture_round", _fake_capture(prefills))
     target = build_target("llama", seed=5)
     drafter = build_drafter(target, typ, True) if typ else None
     engine = SpeculativeEngine(target, drafter, max_len=96, cuda_graphs=True)
@@ -264,6 +266,7 @@ def test_graph_path_plumbing_with_eager_stand_in(monkeypatch, typ):
         assert engine.generate(prompts, **kw) == fresh.generate(prompts, **kw)
         assert engine.rounds == fresh.rounds and engine.last_mode == "cuda_graph"
     assert len(captured) == 2  # one greedy and one sampled graph for this shape
+    assert len(prefills) == 1  # every prompt here is in the first width bucket
 
 
 def test_failed_capture_falls_back_to_eager_with_one_warning(monkeypatch):

@@ -11,6 +11,7 @@ from test_context_lookup import PROMPT_LOOP
 from test_sampling import ALPHA, NEW, PROMPT, PURE, _drafter, _pvalues, _target
 
 from hf_carryover.engine import engine as engine_mod
+from hf_carryover.engine import refill as refill_mod
 from hf_carryover.engine.engine import DecodeState, SpeculativeEngine
 from hf_carryover.engine.static_cache import TargetStaticCache
 from hf_carryover.engine.tree import TreeSpec, accept_tree, select_tree, static_tree
@@ -275,6 +276,7 @@ def test_sampled_tree_rounds_compiled_and_captured_equal_eager(monkeypatch):
     monkeypatch.setattr(engine_mod, "_is_cuda", lambda dev: True)
     captured = []
     monkeypatch.setattr(engine_mod, "capture_round", _fake_capture(captured))
+    monkeypatch.setattr(refill_mod, "capture_round", _fake_capture([]))  # the row prefill's graphs: stand-ins too
     graphed = SpeculativeEngine(target, drafter, max_len=96, cuda_graphs=True)
     assert graphed.generate(prompts, **kw) == ref and graphed.rounds == eager.rounds
     assert len(captured) == 1 and graphed.last_mode == "cuda_graph"
