@@ -172,11 +172,11 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
         chunks, kw["batch_size"] = [prompts], batch  # the warm-up below then runs the whole queue once
     if tree is not None:
         kw.update(tree=tree, tree_nodes=tree_nodes)
-    from hf_carryover.engine.refill import WIDTH_ALIGN
+    from hf_carryover.engine.refill import width_bucket
 
     seen = set()  # warm-up, capture and compile outside the timed loop: per batch shape, and per prompt-width bucket
     for c in chunks:  # (a captured row prefill graph each, `refill.py`)
-        new = {(len(c), -(-len(p) // WIDTH_ALIGN)) for p in c} - seen
+        new = {(len(c), width_bucket(len(p), engine.max_len)) for p in c} - seen
         if new:
             engine.generate(c, **kw)
             seen |= new

@@ -91,12 +91,6 @@ def kernel_profile(fn, n: int) -> dict:
     return {"total": total, "by_kind": per(kinds), "top": top}
 
 
-def capture(fn, state_tensors) -> torch.cuda.CUDAGraph:
-    from hf_carryover.engine.graphs import capture_round
-
-    return capture_round(fn, state_tensors)
-
-
 def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, lookup=None, parts=False) -> dict:
     """One mode's figures (module docstring); `save(res)` stores what is measured so far."""
     from hf_carryover.engine.engine import SpeculativeEngine
@@ -142,7 +136,8 @@ def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, loo
         eager.append(replay_ms(lambda: eng._target_forward(st.cache, toks, pos), 3))
     graphs = [g for g in eng._graphs.values() if isinstance(g, torch.cuda.CUDAGraph)]
     res.update(last_mode=eng.last_mode, prompts=len(prompts), tokens=tokens, rounds=len(acc),
-               tau=(sum(acc) + len(acc)) / len(acc), tok_per_s=tokens / wall, generate_ms_per_round=1000 * wall / len(acc),
+               tau=(sum(acc) + len(acc)) / len(acc), tok_per_s=tokens / wall,
+               generate_ms_per_round=1000 * wall / len(acc),
                prefill_ms=sum(pre) / len(pre), eager_prefill_ms=sum(eager) / len(eager),
                captured_round_graphs=len(graphs))
     if graphs:  # replays on the finished state run the same kernels (finished rows are masked, not skipped)
@@ -161,6 +156,8 @@ def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, loo
 def part_times(args, eng, st, tree) -> dict:
     """The drafter's block forward and the target's forward over 1 and over N+1 rows, each compiled and captured
     alone on the engine's state (their writes land at or past the finished rows' anchors: masked, as in the engine)."""
+    from hf_carryover.engine.graphs import capture_round
+
     n = (args.tree_nodes or tree.num_nodes) + 1 if tree is not None else st.k + 1
     block = st.anchor[:, None].expand(-1, n).contiguous()  # [b, n]
     pos = st.anchor_pos[:, None] + eng._steps[:n]  # [b, n]
@@ -175,7 +172,7 @@ def part_times(args, eng, st, tree) -> dict:
     }
     out = {}
     for name, fn in fns.items():
-        g = capture(fn, st.tensors() + st.cache.k + st.cache.v)
+        g = capture_round(fn, st.tensors() + st.cache.k + st.cache.v)
         out[name] = {"gpu_ms": replay_ms(g.replay, args.replays), "kernels": kernel_profile(g.replay, 5)["total"]}
     return out
 
@@ -203,16 +200,14 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("profile_engine.py times captured CUDA rounds: it needs a GPU")
     import ast
+    import functools
 
     import torch._inductor.config as icfg
 
-    for opt in args.inductor:
+    for opt in args.inductor:  # e.g. combo_kernels=True, triton.cudagraphs=False
         key, val = opt.split("=", 1)
-        obj, *path = key.split(".")
-        holder = icfg
-        for part in [obj, *path][:-1]:
-            holder = getattr(holder, part)
-        setattr(holder, key.split(".")[-1], ast.literal_eval(val))
+        *parents, name = key.split(".")
+        setattr(functools.reduce(getattr, parents, icfg), name, ast.literal_eval(val))
     dtype = getattr(torch, args.dtype)
     target = load_target(args.target, dtype, "cuda")
     drafter = None
@@ -230,12 +225,13 @@ def main():
     spec = {"ar": (None, None, None), "lookup": (None, None, args.lookup), "linear": (drafter, None, None),
             "linear_lookup": (drafter, None, args.lookup), "tree": (drafter, tree, None),
             "tree_lookup": (drafter, tree, args.lookup)}
+
     def save(res):  # every measured figure at once (a time box must not lose finished numbers)
         Path(args.out).write_text(json.dumps({**record, "modes": record["modes"] + [res]}, indent=1))
 
     for mode in args.modes:
         d, t, look = spec[mode]
-        if mode != "ar" and mode != "lookup" and drafter is None or mode.startswith("tree") and tree is None:
+        if (d is None and mode not in ("ar", "lookup")) or (mode.startswith("tree") and tree is None):
             continue
         try:
             res = profile_mode(args, target, d, prompts, eos, mode, save, t, look,

@@ -121,10 +121,13 @@ pin() {  # pin GPU: the command prefix that keeps a GPU's job on its own half of
     echo "env TORCHINDUCTOR_COMPILE_THREADS=$h taskset -c $(( $1 * h ))-$(( $1 * h + h - 1 ))"
   fi
 }
+drafter_dir() {  # drafter_dir NAME: the stashed drafter folder (vllmstash's .vllm/drafters), else this machine's run
+  if [ -d "$A/drafters/$1" ]; then echo "$A/drafters/$1"; else echo "$A/runs/$1/final"; fi
+}
 profile_job() {  # profile_job GPU TAG: where a generate() round's time goes on the GPU (bf16, batch 1): target
   # forwards, our candidate generator, transformers' loop; PROFILE_DRAFTER (default dflash-carryover-gated), with and
   # without lookup
-  local f=$A/drafters/${PROFILE_DRAFTER:-dflash-carryover-gated}; [ -d $f ] || f=$A/runs/${PROFILE_DRAFTER:-}/final
+  local f; f=$(drafter_dir ${PROFILE_DRAFTER:-dflash-carryover-gated})
   CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${PROFILE_SECONDS:-200} $(pin $1) python3 examples/profile_generate.py --device cuda \
     --drafter $f --num_assistant_tokens 15 4 --lookup 15 --max_new_tokens 128 --out $R/$2_profile_gpu$1.json \
     > "$L/profile_$2.log" 2>&1 || log "profile stopped: $?"
@@ -572,7 +575,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
   [ -d "$A/prompts" ] || cp -r assets/prompts "$A/prompts"
   ejob() {  # ejob GPU INDEX "METHODS|DRAFTERS|DATASETS|FLAGS"
     if [ "$3" = check ]; then  # CHECK_DRAFTER=NAME: the real target, that trained drafter and MT-Bench prompts
-      T=""; if [ -n "${CHECK_DRAFTER:-}" ]; then f=$A/drafters/$CHECK_DRAFTER; [ -d $f ] || f=$A/runs/$CHECK_DRAFTER/final
+      T=""; if [ -n "${CHECK_DRAFTER:-}" ]; then f=$(drafter_dir $CHECK_DRAFTER)
         T="--target reference --drafter $f --prompts_dir $A/prompts"; fi
       CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${CHECK_SECONDS:-200} $(pin $1) python3 trainer/gpu_engine_check.py ${CHECK_NOCOMPILE:---compile} --dtypes fp32 \
         --kinds ${CHECK_KINDS:-dflash} --batch_sizes ${CHECK_BATCHES:-1} $T ${CHECK_LOOKUP:+--lookup $CHECK_LOOKUP} \
@@ -584,7 +587,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
     if [ "$3" = engprofile ]; then  # examples/profile_engine.py: where a captured round's time goes (batch 1, bf16),
       # PROFILE_DRAFTER (default dflash-carryover-gated) with its draft_tree.json, once per PROFILE_INDUCTOR variant
       # (';'-separated inductor option lists, "-" for none), modes PROFILE_MODES, PROFILE_ARGS added
-      f=$A/drafters/${PROFILE_DRAFTER:-dflash-carryover-gated}; [ -d $f ] || f=$A/runs/${PROFILE_DRAFTER:-}/final
+      f=$(drafter_dir ${PROFILE_DRAFTER:-dflash-carryover-gated})
       IFS=';' read -ra V <<< "${PROFILE_INDUCTOR:--}"; i=0
       for v in "${V[@]}"; do v=$(sed 's/^ *//; s/ *$//' <<< "$v"); [ "$v" = - ] && v=""
         CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${PROFILE_SECONDS:-300} $(pin $1) python3 examples/profile_engine.py \
@@ -598,7 +601,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
     if [ "$3" = replaydiff ]; then  # trainer/gpu_replay_diff.py: where eager and replayed rounds part, round by round,
       # on the real target and REPLAY_DRAFTER (default dflash-carryover-gated), once per REPLAY_MODES (--determinism;
       # default "none all"), with REPLAY_CONFIGS, REPLAY_PAIRS, REPLAY_PROMPTS; REPLAY_PROBE=N: the cumsum probe too
-      f=$A/drafters/${REPLAY_DRAFTER:-dflash-carryover-gated}; [ -d $f ] || f=$A/runs/${REPLAY_DRAFTER:-}/final
+      f=$(drafter_dir ${REPLAY_DRAFTER:-dflash-carryover-gated})
       for m in ${REPLAY_MODES:-none all}; do
         CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${REPLAY_SECONDS:-240} $(pin $1) python3 trainer/gpu_replay_diff.py \
           --target reference --drafter $f --prompts_dir $A/prompts --prompts ${REPLAY_PROMPTS:-2} --determinism $m \
@@ -611,14 +614,14 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
     fi
     if [ "$3" = gencheck ]; then  # generate()'s static rounds (CUDA graphs) against plain greedy and the dynamic path,
       # fp32, the real target and GENCHECK_DRAFTER (default dflash-carryover-gated), GENCHECK_LIMIT prompts per dataset
-      f=$A/drafters/${GENCHECK_DRAFTER:-dflash-carryover-gated}; [ -d $f ] || f=$A/runs/${GENCHECK_DRAFTER:-}/final
+      f=$(drafter_dir ${GENCHECK_DRAFTER:-dflash-carryover-gated})
       CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${GENCHECK_SECONDS:-150} $(pin $1) python3 trainer/gpu_generate_check.py \
         --drafter $f --prompts_dir $A/prompts --limit ${GENCHECK_LIMIT:-5} --sampled \
         --out $R/${stamp}_generate_check_fp32.json > "$L/gencheck_$stamp.log" 2>&1 || log "generate check stopped: $?"
       flush; return
     fi
     IFS='|' read -r m d ds fl box <<< "$3"; D=""
-    for n in $d; do f=$A/drafters/$n; [ -d $f ] || f=$A/runs/$n/final; D="$D $n=$f"; done
+    for n in $d; do D="$D $n=$(drafter_dir $n)"; done
     CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${box:-${ENGINE_BOX:-300}} $(pin $1) python3 examples/benchmark.py --target $S/target --prompts_dir $A/prompts \
       --methods $m ${D:+--drafters $D} --datasets $ds --limit ${VLLM_LIMIT:-10} --max_new_tokens ${VLLM_MAX_NEW:-256} \
       --batch_sizes ${VLLM_BATCHES:-1 8} --cuda_graphs ${ENGINE_FLAGS:-} $fl --out $R/${stamp}_gpu$1_$2 > "$L/bench_${stamp}_gpu$1_$2.log" 2>&1 \

@@ -684,9 +684,9 @@ class SpeculativeEngine:
 
     def _compiled(self, fn):
         # combo_kernels: inductor launches independent kernels (per layer, small RoPE, cache-write and attention-
-        # preparation kernels) as one. A captured plain decoding step of the 135M target went from 635 kernels and 1.69 ms to 412 and 1.35 ms
-        # on the H200 (examples/profile_engine.py, examples/results/h200-2026-12-02b); at batch 1 the step is
-        # launch-bound, so fewer kernels is most of the speed
+        # preparation kernels) as one. A captured plain decoding step of the 135M target went from 635 kernels and
+        # 1.69 ms to 412 and 1.35 ms on the H200 (examples/profile_engine.py, examples/results/h200-2026-12-02b); at
+        # batch 1 the step is launch-bound, so fewer kernels is most of the speed
         opts = {"combo_kernels": True} if self._compile_backend == "inductor" else None
         return torch.compile(fn, dynamic=False, backend=self._compile_backend, options=opts)
 

@@ -27,6 +27,11 @@ from .static_cache import TargetStaticCache
 WIDTH_ALIGN = 64  # prompt widths are padded up to a multiple of this: one captured graph per bucket
 
 
+def width_bucket(n: int, max_len: int) -> int:
+    """The padded width a prompt of n tokens is prefilled at (its captured graph's), at most the caches' length."""
+    return min(-(-n // WIDTH_ALIGN) * WIDTH_ALIGN, max_len)
+
+
 class RowPrefill:
     """Staging caches (batch 1) and one graph per width bucket for refilling rows of the batch-b caches (which every
     `DecodeState` of batch b shares, so one RowPrefill serves them all)."""
@@ -49,7 +54,7 @@ class RowPrefill:
         self.graphs: dict[int, object] = {}  # width -> CUDAGraph, or None where capture failed (eager)
 
     def width(self, n: int) -> int:
-        return min(-(-n // WIDTH_ALIGN) * WIDTH_ALIGN, self.engine.max_len)
+        return width_bucket(n, self.engine.max_len)
 
     def _fill(self, w: int) -> None:
         """Staging forward of the `w`-wide padded prompt, then its rows copied into batch row `row` (in place)."""
@@ -104,4 +109,4 @@ class RowPrefill:
         return self.logits[w]
 
 
-__all__ = ["RowPrefill", "WIDTH_ALIGN"]
+__all__ = ["RowPrefill", "WIDTH_ALIGN", "width_bucket"]
