@@ -720,3 +720,43 @@ def test_profile_engine_kernel_kinds_and_cpu_refusal():
     run = subprocess.run([sys.executable, str(ROOT / "examples" / "profile_engine.py"), "--out", "x.json"],
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert run.returncode != 0 and "needs a GPU" in run.stderr
+
+
+def test_plot_speed_draws_summary_rows_first_file_first(tmp_path):
+    """plot_speed.py draws each method's summary row (the median of --passes, not the passes behind it); a method in
+    two files is drawn from the first file named; a folder's re-run counts its last summary row; batch sizes and
+    method kinds come from the names; a file without summary rows is refused by name."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from plot_speed import batch_of, kind_of, select_rows
+
+    assert [batch_of(m) for m in ("engine_ar@8", "engine_ar@8c", "hf_static_compile", "engine_tree_lookup31:d@1")] \
+        == [8, 8, 1, 1]
+    assert kind_of("engine_tree_lookup31:dflash-carryover-gated@8") == "engine_tree_lookup"
+    assert kind_of("engine_lookup:d@1") == "engine_lookup" and kind_of("vllm_ar@8") == "vllm_ar"
+
+    def row(method, tps, **kw):
+        return json.dumps({"method": method, "dataset": "mtbench", "temperature": 0.0, "tok_per_s": tps, **kw}) + "\n"
+
+    a, b = tmp_path / "a" / "bench_raw.jsonl", tmp_path / "b" / "bench_raw.jsonl"
+    a.parent.mkdir()
+    b.parent.mkdir()
+    a.write_text(row("engine_ar@1", 690.0, **{"pass": 0}) + row("engine_ar@1", 700.0) + row("vllm_ar@1", 370.0)
+                 + row("engine_ar@1", 710.0))  # the last line: this folder's re-run
+    b.write_text(row("engine_ar@1", 650.0) + row("hf_static_compile", 260.0))
+    rows, skipped = select_rows([a, b])
+    got = {r["method"]: r["tok_per_s"] for r in rows}
+    assert got == {"engine_ar@1": 710.0, "vllm_ar@1": 370.0, "hf_static_compile": 260.0}
+    assert len(skipped) == 1 and str(b) in skipped[0] and "engine_ar@1" in skipped[0]
+    rows, _ = select_rows([b, a])  # order decides which file's engine AR is drawn
+    assert {r["method"]: r["tok_per_s"] for r in rows}["engine_ar@1"] == 650.0
+    assert {r["method"] for r in select_rows([a, b], methods=["vllm_ar", "hf_static_compile"])[0]} \
+        == {"vllm_ar@1", "hf_static_compile"}
+    only_passes = tmp_path / "cut.jsonl"
+    only_passes.write_text(row("engine_ar@1", 690.0, **{"pass": 0}))
+    with pytest.raises(SystemExit, match="No summary rows"):
+        select_rows([only_passes])
+    pytest.importorskip("matplotlib")  # the [train] extra; the rest draws the PNG
+    res = subprocess.run([sys.executable, str(ROOT / "examples" / "plot_speed.py"), str(a), str(b), "--out",
+                          str(tmp_path / "speed.png")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "speed.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "not drawn" in res.stdout
