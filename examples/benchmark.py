@@ -149,11 +149,28 @@ def run_hf(target, prompts, max_new, temperature=0.0, static_rounds=None, tree=N
             **({"tau_from": "target forward count"} if own_loop else {}), **mode}
 
 
-def make_engine(target, drafter, max_len, profile=False, cuda_graphs=False, compile=False):
+def make_engine(target, drafter, max_len, profile=False, cuda_graphs=False, compile=False, compile_options=None):
     from hf_carryover.engine.engine import SpeculativeEngine
 
     return SpeculativeEngine(target, drafter, max_len=max_len, profile=profile, cuda_graphs=cuda_graphs,
-                             compile=compile)
+                             compile=compile, compile_options=compile_options)
+
+
+def parse_inductor_options(pairs) -> dict:
+    """["freezing=True", "triton.cudagraphs=False"] -> {"freezing": True, "triton.cudagraphs": False} (values are
+    Python literals); a pair without "=" or with a value that is no literal is refused by name."""
+    import ast
+
+    opts = {}
+    for pair in pairs:
+        key, sep, val = pair.partition("=")
+        try:
+            if not sep or not key:
+                raise ValueError
+            opts[key] = ast.literal_eval(val)
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"inductor option {pair!r}: expected KEY=VALUE with a Python literal, e.g. freezing=True")
+    return opts
 
 
 def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=None, skip_drafter=True, tree=None,
@@ -239,10 +256,17 @@ def main():
                    help="engine rows at batch size b: static batches of b prompts (each lasting as long as its slowest "
                    "row), and/or continuous batching: all prompts of a dataset through b rows refilled as rows finish "
                    "(method names end in @<b>c); both share the engine's compiled and captured shapes")
+    p.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="with --compile: inductor options for the engine's compiled rounds, e.g. freezing=True (the "
+                   "weights compiled in as constants, so q/k/v and gate/up merge into one GEMM each); recorded in "
+                   "every engine row as compile_options")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if args.passes < 1:
         p.error(f"--passes must be at least 1, not {args.passes}")
+    compile_options = parse_inductor_options(args.inductor)
+    if compile_options and not args.compile:
+        p.error("--inductor sets options of the compiled rounds: it needs --compile")
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -282,7 +306,7 @@ def main():
             k = d.config.block_size if d is not None else (args.lookup or 0) + 1
             extra = max(m or trees[name].num_nodes for m in tree_sizes) if tree else 0
             engines[key] = make_engine(target, d, longest + args.max_new_tokens + 2 * k + extra, args.profile,
-                                       args.cuda_graphs, args.compile)
+                                       args.cuda_graphs, args.compile, compile_options)
         return engines[key]
 
     T = args.temperature
@@ -353,6 +377,8 @@ def main():
         # compiling job on another GPU of the machine) slows it; the load beside each row lets a reader tell
         load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         res = {"method": name, "dataset": dataset, "prompts": len(prompts), "temperature": T, **fn(prompts), **extra}
+        if compile_options and name.startswith("engine"):
+            res["compile_options"] = compile_options
         if load0 is not None:
             res["host_load"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
         return res
@@ -388,7 +414,8 @@ def main():
             not_covered["cuda_graphs"] = "engine rows ran eagerly; --cuda_graphs replays greedy rounds as CUDA graphs"
         summary = {"command": " ".join(["python"] + sys.argv), "environment": environment(),
                    "max_new_tokens": args.max_new_tokens, "temperature": T, "warmup": args.warmup,
-                   "cuda_graphs": args.cuda_graphs, "compile": args.compile, "passes": args.passes,
+                   "cuda_graphs": args.cuda_graphs, "compile": args.compile,
+                   "compile_options": compile_options, "passes": args.passes,
                    "batching": args.batching, "results": rows,
                    "not_covered": not_covered}
         (out_dir / "bench.json").write_text(json.dumps(summary, indent=2))

@@ -158,7 +158,7 @@ def part_times(args, eng, st, tree) -> dict:
     alone on the engine's state (their writes land at or past the finished rows' anchors: masked, as in the engine)."""
     from hf_carryover.engine.graphs import capture_round
 
-    n = (args.tree_nodes or tree.num_nodes) + 1 if tree is not None else st.k + 1
+    n = (tree.num_nodes if args.tree_nodes is None else args.tree_nodes) + 1 if tree is not None else st.k + 1
     block = st.anchor[:, None].expand(-1, n).contiguous()  # [b, n]
     pos = st.anchor_pos[:, None] + eng._steps[:n]  # [b, n]
     draft = eng._compiled(eng._draft_logits)  # compiled as the engine compiles its rounds
@@ -199,15 +199,14 @@ def main():
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_engine.py times captured CUDA rounds: it needs a GPU")
-    import ast
     import functools
 
     import torch._inductor.config as icfg
+    from benchmark import parse_inductor_options
 
-    for opt in args.inductor:  # e.g. combo_kernels=True, triton.cudagraphs=False
-        key, val = opt.split("=", 1)
+    for key, val in parse_inductor_options(args.inductor).items():  # e.g. combo_kernels=True, triton.cudagraphs=False
         *parents, name = key.split(".")
-        setattr(functools.reduce(getattr, parents, icfg), name, ast.literal_eval(val))
+        setattr(functools.reduce(getattr, parents, icfg), name, val)
     dtype = getattr(torch, args.dtype)
     target = load_target(args.target, dtype, "cuda")
     drafter = None

@@ -1,5 +1,6 @@
 """Fast engine (eager reference, CPU): exact greedy output, the same rounds as generate(), lossless sampling."""
 
+import re
 import warnings
 
 import pytest
@@ -372,6 +373,34 @@ def test_engine_decodes_in_eval_mode_and_leaves_the_callers_modes():
     assert eng.generate(prompts, max_new_tokens=12) == ref
     assert target.training and all(m.training for m in target.modules())
     assert drafter.training and not drafter.fc.training
+
+
+def test_frozen_compiled_round_merges_projections_and_equals_eager():
+    """compile_options={"freezing": True} compiles the weights in as constants, and inductor then merges the q/k/v
+    projections and the gate/up projections that read the same input: 4 GEMMs per layer instead of 7 (the merge needs
+    "cpp.enable_concat_linear" on CPU; on CUDA freezing alone enables it). Tokens and rounds stay the eager engine's in
+    fp32. The generated code is read back (`run_and_get_code`), with inductor's graph cache off so that a cached
+    compile cannot hide it."""
+    from torch._inductor.utils import run_and_get_code
+
+    target = build_target("llama", seed=5)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 90, (n,), generator=g).tolist() for n in (4, 9)]
+    eager = SpeculativeEngine(target, None, max_len=96)
+    ref = eager.generate(prompts, max_new_tokens=20)
+    fast = SpeculativeEngine(target, None, max_len=96, compile=True, compile_options={
+        "freezing": True, "cpp.enable_concat_linear": True, "fx_graph_cache": False})
+    out, codes = run_and_get_code(lambda: fast.generate(prompts, max_new_tokens=20))
+    assert out == ref and fast.rounds == eager.rounds and fast.last_mode == "eager +compile"
+    gemm = re.compile(r"= (?:torch\.ops\.mkl\._mkl_linear\.default|extern_kernels\.(?:mm|addmm)|"
+                      r"torch\.ops\.mkldnn\._linear_pointwise\.default)\(")
+    layers = target.config.num_hidden_layers
+    assert sum(len(gemm.findall(c)) for c in codes) == 4 * layers + 1  # + the LM head; unmerged: 7 per layer
+    for bad in ({"compile": False}, {"compile": "aot_eager"}):  # inductor options without inductor: refused
+        with pytest.raises(ValueError, match="inductor options"):
+            SpeculativeEngine(target, None, max_len=96, compile_options={"freezing": True}, **bad)
+    with pytest.raises(ValueError, match="freezin does not exist"):  # a misspelt option, named when the engine is built
+        SpeculativeEngine(target, None, max_len=96, compile=True, compile_options={"freezin": True})
 
 
 @pytest.mark.parametrize("typ,backend", [("dflash", "inductor"), (None, "aot_eager")])

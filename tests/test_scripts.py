@@ -760,3 +760,20 @@ def test_plot_speed_draws_summary_rows_first_file_first(tmp_path):
                           str(tmp_path / "speed.png")], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "speed.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "not drawn" in res.stdout
+
+
+def test_benchmark_inductor_options_are_parsed_and_need_compile(tmp_path):
+    """--inductor KEY=VALUE reaches the engine as compile_options (Python literals, dotted keys kept); a pair that is
+    no KEY=literal, or --inductor without --compile, is refused with the reason."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from benchmark import parse_inductor_options
+
+    assert parse_inductor_options(["freezing=True", "cpp.enable_concat_linear=True", "x=3"]) == {
+        "freezing": True, "cpp.enable_concat_linear": True, "x": 3}
+    for bad in (["freezing"], ["freezing=yes please"], ["=True"]):
+        with pytest.raises(SystemExit, match="expected KEY=VALUE"):
+            parse_inductor_options(bad)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, str(ROOT / "examples" / "benchmark.py"), "--target", "tiny", "--inductor",
+                          "freezing=True", "--out", str(tmp_path / "x")], env=env, capture_output=True, text=True)
+    assert res.returncode != 0 and "it needs --compile" in res.stderr

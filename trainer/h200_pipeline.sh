@@ -80,6 +80,10 @@
 # assets/prompts; .vllm/drafters); engine with E0=engprofile; again after the engine change, then engine with
 # E0="check;engine_ar engine_tree_lookup|..." and engprofile; vllmstash x2 (.vllm/bundle; .device/p1) and vllm with
 # VLLM_DRAFTERS=none (vLLM AR beside engine AR). Its README has the exact commands.
+# Third run of 2026-12-02 (examples/results/h200-2026-12-02c/), one H200, no training: vllmstash x3 (.device/p1;
+# .vllm/bundle; .vllm/drafters + assets/prompts); vllm with ENGINE_ONLY/ENGINE_METHODS/ENGINE_FLAGS (vLLM AR, engine AR
+# and engine + drafter in one call, batch 1 and 8); engine (check; HF static + compile beside engine AR); engine
+# (check); a fresh start: vllmstash x2 and engine with E0=engprofile. Its README has the exact commands.
 # vllmstash now refreshes the stashed folders' remote code: a folder saved by an older commit runs its own copy.
 # With drafter weights committed in model_cards/, run `bash trainer/device_tree.sh light` before the calls.
 # Checkpoints: stage2 packs all four drafters in bf16 and queues them as tar parts (DFlash pair first); each call
@@ -562,7 +566,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
   # "profile" splits a generate() round's time on the GPU (examples/profile_generate.py --device cuda); the job
   # "engprofile" splits a captured engine round's (examples/profile_engine.py, PROFILE_* below); the job
   # "check" runs the fp32 exactness check of compiled rounds (CHECK_SECONDS, CHECK_KINDS, CHECK_BATCHES, CHECK_LOOKUP,
-  # CHECK_DETERMINISTIC=1, CHECK_CONTINUOUS=1: continuous batching against static too, CHECK_NOCOMPILE=" ": graph
+  # CHECK_DETERMINISTIC=1, CHECK_CONTINUOUS=1: continuous batching against static too, CHECK_COMPILE=0: graph
   # engines without the compiled one): a random drafter, or with CHECK_DRAFTER=NAME a trained one on the real target, also
   # against plain greedy decoding. The job
   # "gencheck" checks generate()'s static rounds (trainer/gpu_generate_check.py, GENCHECK_* below). The job
@@ -577,7 +581,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
     if [ "$3" = check ]; then  # CHECK_DRAFTER=NAME: the real target, that trained drafter and MT-Bench prompts
       T=""; if [ -n "${CHECK_DRAFTER:-}" ]; then f=$(drafter_dir $CHECK_DRAFTER)
         T="--target reference --drafter $f --prompts_dir $A/prompts"; fi
-      CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${CHECK_SECONDS:-200} $(pin $1) python3 trainer/gpu_engine_check.py ${CHECK_NOCOMPILE:---compile} --dtypes fp32 \
+      CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${CHECK_SECONDS:-200} $(pin $1) python3 trainer/gpu_engine_check.py $([ "${CHECK_COMPILE:-1}" = 0 ] || echo --compile) --dtypes fp32 \
         --kinds ${CHECK_KINDS:-dflash} --batch_sizes ${CHECK_BATCHES:-1} $T ${CHECK_LOOKUP:+--lookup $CHECK_LOOKUP} \
         ${CHECK_DETERMINISTIC:+--deterministic} ${CHECK_CONTINUOUS:+--continuous} --out $R/${stamp}_engine_check_fp32.json \
         > "$L/check_$stamp.log" 2>&1 || log "engine check stopped: $?"

@@ -25,13 +25,14 @@ from the call's generator before each round, and turns them into tokens by inver
 Sampling supports temperature only (no top-k/top-p/penalties yet); greedy needs no processors.
 Continuous batching (`generate(..., batch_size=b)`): more prompts than rows; the per-row done flags come back with the
 round's one read, and a finished row is read out and refilled with the next prompt (`refill.py`) between rounds.
+Beside this file: the static state a round works on (`state.py`), draft-tree rounds (`tree_round.py`, on `tree.py`'s
+pieces), phase timing for the latency model (`timing.py`), capture (`graphs.py`) and the caches (`static_cache.py`).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import time
 import warnings
 
 import torch
@@ -40,9 +41,11 @@ from ..generation_carryover import accepted_as_generate_counts, batched_context_
 from .graphs import capture_round
 from .refill import RowPrefill
 from .sampling import inverse_cdf, point_mass, running_mass
+from .state import DecodeState, is_eos
 from .static_cache import DrafterStaticCache, TargetStaticCache
-from .tree import (TreeSpec, accept_tree, check_tree, node_tokens, select_tree, static_tree, tree_mask,
-                   unique_children)
+from .timing import PhaseClock, predicted_speedup
+from .tree import check_tree
+from .tree_round import TreeRounds
 
 
 def _in_eval_mode(method):
@@ -67,102 +70,6 @@ def _is_cuda(device) -> bool:
     return torch.device(device).type == "cuda"
 
 
-def _is_eos(tokens, eos):
-    """`tokens` `[...]` in the EOS id list `eos` `[n]` (n may be 0): one broadcast compare, shape-static."""
-    return (tokens[..., None] == eos).any(-1)
-
-
-class DecodeState:
-    """Everything a round reads and writes besides the weights: allocated once per (b, k, cap, n_eos) and only
-    ever updated in place, because a captured graph holds these exact addresses. `reset` loads a new prompt's
-    state after its (eager) prefill; positions the last call left in the caches are never visible (see
-    `static_cache.py`: every position below a row's anchor is rewritten by that row's prefill or accepted
-    verifications before any query can see it), so the caches are reused without clearing."""
-
-    def __init__(self, b, k, max_new, n_eos, caches, n_feat, feat_dtype, device, seq_len, n_noise=None):
-        def zeros(*shape, dtype=torch.long):
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        self.b, self.k, self.max_new, self.cap = b, k, max_new, max_new + k + 1
-        self.cache, self.dcache = caches
-        self.anchor, self.anchor_pos, self.n_out = zeros(b), zeros(b), zeros(b)  # token, its position, emitted
-        self.done = zeros(b, dtype=torch.bool)
-        self.out = zeros(b, self.cap)  # generated tokens; a round addresses slots n_out..n_out+k, hence k+1 spare
-        # accepted drafts per row and round (-1 where the row was already done); an active row emits >= 1 token
-        # a round and starts with 1, so at most max_new - 1 rounds run
-        self.accepted = zeros(b, max(max_new, 1))
-        self.round = zeros(b)  # per row: rounds since its prompt was loaded, the column of `accepted` to write
-        self.seq = zeros(b, seq_len)  # committed tokens at their positions (prompt, anchor, emitted): for lookup
-        self.looked = zeros(b, max(max_new, 1), dtype=torch.bool)  # per row and round: proposals came from lookup
-        # the next round's context lookup, computed at the end of the previous round (or after the prefill), so that
-        # the host learns whether that round needs the drafter from the same read that tells it whether to go on
-        self.look, self.n_look = zeros(b, k), zeros(b)
-        # [every row done, every unfinished row looks up, row 0 done, ..., row b-1 done]: the one read of a round (the
-        # per-row flags tell continuous batching which rows to refill)
-        self.flags = zeros(2 + b, dtype=torch.bool)
-        self.eos = zeros(n_eos)
-        self.carry = zeros(b, k, n_feat, dtype=feat_dtype) if n_feat else None  # last verification's rows 1..k
-        self.carry_valid = zeros(b, k, dtype=torch.bool)
-        self.carry_pos = zeros(b, k)
-        # sampled rounds: the round's uniforms (k draft draws, k acceptance tests, 1 correction/bonus draw; a
-        # sampled tree round one draw per verified row, `n_noise`) and the temperature live here, filled from the
-        # call's Generator *outside* the round, so the round itself has no Generator argument: torch.compile does
-        # not split it and a CUDA graph can replay it
-        self.noise = zeros(b, n_noise or 2 * k + 1, dtype=torch.float32)
-        self.temperature = torch.ones((), dtype=torch.float32, device=device)
-
-    def reset(self, anchor, plen, eos, prompt_tokens):
-        """Every row starts its prompt (after the call's prefill): `anchor` `[b]` first tokens, `plen` `[b]` prompt
-        lengths, `prompt_tokens` `[b, w]` (padding past a row's prompt: never read)."""
-        self.eos.copy_(eos)
-        self._load(slice(None), anchor, plen, prompt_tokens)
-        self.set_flags(torch.zeros_like(self.done[0]))
-
-    def reset_row(self, r: int, anchor, plen: int, prompt) -> None:
-        """Load a new prompt into row r alone (continuous batching: the row's previous request has finished and been
-        read out), as `reset` loads every row. `anchor` is a 0-d token tensor, `prompt` `[plen]` the prompt's ids.
-        The other rows are untouched; the caller refreshes `flags` (and the lookup) afterwards."""
-        self._load(slice(r, r + 1), anchor.reshape(1), torch.full((1,), plen, device=self.anchor.device), prompt[None])
-
-    def _load(self, rows: slice, anchor, plen, prompt_tokens) -> None:
-        """The per-row part of `reset` for the rows `rows` (a slice, so every write is in place through a view)."""
-        self.seq[rows, : prompt_tokens.shape[1]].copy_(prompt_tokens)
-        self.seq[rows].scatter_(1, plen[:, None], anchor[:, None])
-        self.looked[rows] = False
-        self.anchor[rows] = anchor
-        self.anchor_pos[rows] = plen  # position of the first generated token
-        self.out[rows] = 0
-        self.out[rows, 0] = anchor
-        self.n_out[rows] = 1
-        self.done[rows] = _is_eos(anchor, self.eos) | (self.max_new <= 1)  # the first token may end the row
-        self.look[rows] = 0
-        self.n_look[rows] = 0
-        self.accepted[rows] = -1
-        self.round[rows] = 0
-        if self.carry is not None:  # nothing valid in the first round; any positions do
-            self.carry[rows] = 0
-            self.carry_valid[rows] = False
-            self.carry_pos[rows] = plen[:, None] + torch.arange(1, self.k + 1, device=plen.device)
-
-    def set_flags(self, all_look: torch.Tensor) -> None:
-        """`flags` from `done` and the lookup flag (a 0-d bool tensor), in place (also inside a round)."""
-        self.flags.copy_(torch.cat([torch.stack([self.done.all(), all_look]), self.done]))
-
-    def draw(self, gen: torch.Generator) -> None:
-        """This round's uniforms from the call's generator (eager, before the round or its graph replay)."""
-        self.noise.uniform_(0.0, 1.0, generator=gen)
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor a round writes (state and both caches): what capture must snapshot and restore."""
-        own = [self.anchor, self.anchor_pos, self.n_out, self.done, self.out, self.accepted, self.round,
-               self.carry_valid, self.carry_pos, self.seq, self.looked, self.look, self.n_look, self.flags]
-        own += [self.carry] if self.carry is not None else []
-        caches = self.cache.k + self.cache.v
-        if self.dcache is not None:
-            caches += self.dcache.keys + self.dcache.values
-        return own + caches
-
-
 # Cache length granularity: caches and masks of a multiple of 64 slots keep the attention kernels' rows aligned
 # whatever the prompt lengths. A precaution, not a measured cure: on the H200 (bf16, compiled, CUDA graphs, batch 1,
 # one pass of 10 MT-Bench prompts each) the linear round read 753 tok/s with 454 slots, 617 with 581, 695 with 640
@@ -170,9 +77,9 @@ class DecodeState:
 MAX_LEN_ALIGN = 64
 
 
-class SpeculativeEngine:
+class SpeculativeEngine(TreeRounds):
     def __init__(self, target, drafter=None, max_len: int = 2048, profile: bool = False, cuda_graphs: bool = False,
-                 compile: bool | str = False, lookup_skips_drafter: bool = True):
+                 compile: bool | str = False, lookup_skips_drafter: bool = True, compile_options: dict | None = None):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -195,6 +102,12 @@ class SpeculativeEngine:
         breaks, guards, recompiles) without inductor's code generation, which takes most of a CPU compile's time,
         so it is the quick way to debug a compile problem, and what most of the CPU tests use.
 
+        compile_options: inductor options for the compiled rounds, on top of `combo_kernels=True` (e.g.
+        {"freezing": True}: the weights are compiled in as constants, so inductor may merge the q/k/v and gate/up
+        projections that read the same input into one GEMM each; on CPU that merge also needs
+        "cpp.enable_concat_linear"). With freezing the compiled rounds keep the weights they were compiled with (and
+        hold merged copies of the merged ones: more memory): build a new engine after changing them. Greedy output is checked against eager decoding like any compiled round.
+
         lookup_skips_drafter=True (with context lookup): a round in which every unfinished row looks up runs without
         the drafter (its drafted block would be discarded anyway; output and rounds are the same either way, tested).
         False drafts in every round, which is what the benchmark compares against. `self.skipped_drafts` counts the
@@ -207,6 +120,18 @@ class SpeculativeEngine:
         self.profile = profile
         self.compile = bool(compile)
         self._compile_backend = compile if isinstance(compile, str) else "inductor"
+        if compile_options and (not compile or self._compile_backend != "inductor"):
+            raise ValueError(f"compile_options={compile_options} are inductor options: they need compile=True "
+                             f"(the inductor backend), not compile={compile!r}.")
+        self.compile_options = dict(compile_options or {})
+        if self.compile_options:  # a misspelt option fails here, not at the first call's compile
+            import torch._inductor.config as inductor_config
+
+            try:
+                with inductor_config.patch(self.compile_options):
+                    pass
+            except AttributeError as e:
+                raise ValueError(f"compile_options: {e}") from None
         self._compiled_round = self._compiled(self._round) if compile else None
         self._compiled_tree_round = None  # compiled on first use of a tree
         if compile:  # every engine and batch shape recompiles the round; past dynamo's limit (8) it would quietly
@@ -350,7 +275,7 @@ class SpeculativeEngine:
         `lookup` > 0: context lookup of up to that many tokens (a Python int: one graph per value), read from the
         state (computed by the previous round); the round ends by computing the next one's. `draft=False` (a Python
         bool: its own graph) skips the drafter; only valid when every unfinished row looks up (`st.flags[1]`)."""
-        clock = clock or _Clock(False, None, None)
+        clock = clock or PhaseClock(False, None, None)
         k, steps = st.k, self._steps
         clock.start()
         if self.drafter is not None and draft:
@@ -408,8 +333,8 @@ class SpeculativeEngine:
         # keep the first a+1 tokens, within the length budget, up to and including the first EOS
         idx = steps[None, : k + 1]
         keep = (idx <= a[:, None]) & (idx < (st.max_new - n_out)[:, None]) & ~done[:, None]
-        is_eos = _is_eos(emitted, st.eos) & keep
-        first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1), torch.full_like(a, k + 1))
+        eos_kept = is_eos(emitted, st.eos) & keep
+        first_eos = torch.where(eos_kept.any(1), eos_kept.long().argmax(1), torch.full_like(a, k + 1))
         keep &= idx <= first_eos[:, None]
         slots = (n_out[:, None] + idx).clamp(max=st.cap - 1)
         st.out.scatter_(1, slots, torch.where(keep, emitted, st.out.gather(1, slots)))
@@ -424,106 +349,12 @@ class SpeculativeEngine:
             st.looked.scatter_(1, col, (hit & ~done)[:, None])
         st.round.add_(1)
         new_n_out = n_out + keep.sum(1)
-        new_done = done | (new_n_out >= st.max_new) | is_eos.any(1)
+        new_done = done | (new_n_out >= st.max_new) | eos_kept.any(1)
         st.anchor_pos.copy_(torch.where(new_done, st.anchor_pos, st.anchor_pos + a + 1))
         st.anchor.copy_(torch.where(new_done, st.anchor, nxt))
         st.n_out.copy_(new_n_out)
         st.done.copy_(new_done)
         st.set_flags(self._lookup_next(st, lookup) if lookup else torch.zeros_like(new_done[0]))
-
-    def _tree_round(self, st: DecodeState, tree: TreeSpec, lookup=0, nodes=None, do_sample=False):
-        """One round that verifies a draft tree (`tree.py`; static or chosen per row), not the linear block.
-
-        The drafter drafts as usual, with the previous round's carryover states if it is a Carryover drafter
-        (`_tree_carry`); the tree's nodes take its top-ranked tokens; with `lookup`, a row's
-        looked-up tokens replace the rank-0 chain's (the other nodes stay as alternatives). One target forward
-        verifies all nodes; the accepted path's K/V and target features are moved to the positions after the
-        anchor, so the caches end as after a linear verification of that path. `nodes` (a Python int): each row
-        verifies the `nodes` nodes of `tree` its drafter finds likeliest (`tree.select_tree`); None: all of `tree`.
-        No host sync, fixed shapes.
-
-        do_sample (a Python bool): the target's token after each verified row is *drawn* from its distribution (at
-        `st.temperature`, from the round's uniforms `st.noise[:, :N+1]`) instead of taken as the argmax, and the tree
-        is accepted against those draws exactly as against argmaxes (`accept_tree`). Lossless: each emitted token is a
-        draw from the target's distribution given the tokens before it, because the path only follows a node whose
-        token equals the draw made at its parent. For proposals that are fixed tokens (top-ranked ones, looked-up
-        ones: point masses) this is the same law as rejection sampling tried child after child (accept a child with
-        the target's probability of it, else drop it from the target's distribution and try the next, else draw from
-        what is left), in one draw per verified row."""
-        k, steps, b = st.k, self._steps, st.b
-        on = self.drafter.config.carryover
-        logits_d = self._draft_logits(st.dcache, st.anchor, st.anchor_pos, st.carry if on else None, st.carry_pos,
-                                      st.carry_valid if on else st.carry_valid[:, :0])
-        lp, top = logits_d[:, : tree.max_depth].log_softmax(-1).topk(tree.max_rank, -1)  # [b, D, R] each
-        hit = None
-        if lookup:
-            look, n_look = st.look.clone(), st.n_look.clone()  # [b, k], [b]
-            hit = n_look > 0
-        # a dynamic tree keeps the rank-0 chain as deep as the lookup reaches (its tokens go there, below)
-        t = static_tree(tree, b, st.anchor.device) if nodes is None else select_tree(
-            tree, lp, nodes, keep_chain=torch.where(hit, n_look, 0) if lookup else None)
-        depth = t["depth"]  # [b, N+1]
-        n = depth.shape[1]
-        tokens = node_tokens(top, t)  # [b, N]
-        if lookup:
-            d1 = depth[:, 1:]
-            use = t["main"][:, 1:] & hit[:, None] & (d1 <= n_look[:, None])  # [b, N]
-            tokens = torch.where(use, look.gather(1, (d1 - 1).clamp(max=k - 1)), tokens)
-        valid = unique_children(tokens, t)
-        block = torch.cat([st.anchor[:, None], tokens], 1)  # [b, N+1]
-        slots = st.anchor_pos[:, None] + steps[:n]  # [b, N+1]: node i at slot anchor_pos + i
-        rope = st.anchor_pos[:, None] + depth  # [b, N+1]: at position anchor_pos + depth(i)
-        logits, feats = self._target_forward(st.cache, block, rope, slots=slots,
-                                             mask=tree_mask(steps, st.anchor_pos, t))
-        if do_sample:  # one draw per verified row: [b, N+1, V] -> [b*(N+1), V] -> [b, N+1]
-            probs = (logits.float() / st.temperature).softmax(-1)
-            choice = inverse_cdf(probs.flatten(0, 1), st.noise[:, :n].reshape(-1)).view(b, n)
-        else:
-            choice = logits.argmax(-1)
-        a, path, nxt = accept_tree(tokens, valid, choice, t)
-        st.cache.move(slots.gather(1, path), slots)  # the accepted path's K/V to slots anchor_pos + depth
-        m = min(n, k + 1)  # the drafter's context needs rows 0..a (a <= depth <= k)
-        rows = feats.gather(1, path[:, :m, None].expand(-1, -1, feats.shape[-1]))  # [b, m, F]
-        st.dcache.write(self.drafter, self.drafter.fuse(rows), st.anchor_pos[:, None] + steps[:m])
-        drafts = block.gather(1, path[:, 1:m])  # [b, m-1]: the accepted path's tokens first
-        drafts = torch.cat([drafts, drafts.new_zeros(b, k - drafts.shape[1])], 1)  # [b, k]
-        if on:  # before _commit moves the anchors: the carry rows sit right after this round's accepted path
-            self._tree_carry(st, t, feats, path, a)
-        self._commit(st, drafts, a, nxt, None, lookup, hit)
-
-    def _tree_carry(self, st: DecodeState, t: dict, feats, path, a) -> None:
-        """The carryover states a tree round leaves for the next round: the target features of the rank-0 chain
-        below the deepest accepted node (its rank-0 child, that child's rank-0 child, ...), which the verify forward
-        computed and which the accepted path rejected.
-
-        Why that chain: in a linear round the carryover rows are the rejected rest of the drafted block, i.e. the
-        drafter's top-1 continuation of the accepted prefix, each row seen by the target after that prefix. In a
-        tree the same rows are the rank-0 descendants of the last accepted node (tree attention shows each node its
-        ancestors only, so their states are exactly those of a linear verification of the accepted path followed
-        by that chain). On the chain tree (`TreeSpec.chain`) they are the linear round's rows, so tree and linear
-        rounds stay equal round for round (tested). Rows past the length budget are left out, as a linear round
-        leaves out drafts generate() would not verify. Fixed shapes, no host sync: a chain shorter than k (the
-        accepted node has no rank-0 child in the tree) leaves the rest of the buffer invalid."""
-        k, steps, b = st.k, self._steps, st.b
-        parent, rank = t["parent"], t["rank"]  # [b, N+1] (root first)
-        n = parent.shape[1]
-        # child0[:, i] = node i's rank-0 child, n (a sentinel) where it has none; column n is the sentinel's own
-        child0 = torch.full((b, n + 1), n, dtype=torch.long, device=parent.device)
-        first = rank[:, 1:] == 0  # [b, N]: every node but the root is somebody's child; rank-0 ones are unique
-        ids = steps[1:n][None].expand(b, -1)  # [b, N]
-        child0.scatter_(1, torch.where(first, parent[:, 1:], n), torch.where(first, ids, n))
-        cur = path.gather(1, a[:, None])  # [b, 1]: the deepest accepted node
-        chain = []
-        for _ in range(k):  # a Python loop over the fixed k: one gather per depth below the accepted node
-            cur = child0.gather(1, cur)
-            chain.append(cur)
-        chain = torch.cat(chain, 1)  # [b, k], node ids or n
-        padded = torch.cat([feats, feats.new_zeros(b, 1, feats.shape[-1])], 1)  # [b, N+2, F]: the sentinel's row
-        st.carry.copy_(padded.gather(1, chain[..., None].expand(-1, -1, feats.shape[-1])))
-        depth = a[:, None] + 1 + steps[None, :k]  # [b, k]: chain node s is at depth a + 1 + s
-        budget = st.max_new - st.n_out - 1  # [b]: as in a linear round, only rows generate() would have verified
-        st.carry_valid.copy_((chain < n) & (depth <= budget[:, None]) & ~st.done[:, None])
-        st.carry_pos.copy_(st.anchor_pos[:, None] + depth)
 
     @staticmethod
     def _lookup_next(st: DecodeState, lookup: int) -> torch.Tensor:
@@ -582,7 +413,7 @@ class SpeculativeEngine:
                              f"{max_new_tokens} new tokens + a block of {k}.")
         eos = eos_tensor(eos_token_id).to(dev)
         tree = check_tree(tree, self.drafter, longest + max_new_tokens, self.max_len, tree_nodes)
-        n_noise = (tree_nodes or tree.num_nodes) + 1 if tree is not None and do_sample else None
+        n_noise = (tree.num_nodes if tree_nodes is None else tree_nodes) + 1 if tree is not None and do_sample else None
         st = self._state(b, k, max_new_tokens, eos.numel(), dev, dtype, n_noise)
 
         def first_token(last):  # [r, V] logits at each prompt's end -> its first generated token [r]
@@ -643,7 +474,7 @@ class SpeculativeEngine:
         step = self._round_fn(do_sample, tree)
         if graphs[True] is None and step in (self._compiled_round, self._compiled_tree_round) and step is not None:
             self.last_mode += " +compile"
-        clock = _Clock(self.profile, dev, self.timing)
+        clock = PhaseClock(self.profile, dev, self.timing)
         self.skipped_drafts = 0
         while True:
             flags = st.flags.tolist()  # the one host sync per round (outputs stay on the device)
@@ -688,7 +519,19 @@ class SpeculativeEngine:
         # 1.69 ms to 412 and 1.35 ms on the H200 (examples/profile_engine.py, examples/results/h200-2026-12-02b); at
         # batch 1 the step is launch-bound, so fewer kernels is most of the speed
         opts = {"combo_kernels": True} if self._compile_backend == "inductor" else None
-        return torch.compile(fn, dynamic=False, backend=self._compile_backend, options=opts)
+        compiled = torch.compile(fn, dynamic=False, backend=self._compile_backend, options=opts)
+        if not self.compile_options:
+            return compiled
+        # the other options patch inductor's global config around the call (a compile happens inside the first one):
+        # passed as torch.compile options, `freezing` ran its compiler but neither packed nor merged the weights (CPU,
+        # torch 2.13), while set globally it did both
+        import torch._inductor.config as inductor_config
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with inductor_config.patch(self.compile_options):
+                return compiled(*args, **kwargs)
+        return run
 
     def _round_fn(self, do_sample, tree=None):
         """The compiled round where it applies (greedy or sampled; not when profiling: the clock's syncs would split
@@ -737,34 +580,4 @@ class SpeculativeEngine:
         return (sum(acc) + len(acc)) / max(len(acc), 1)
 
 
-class _Clock:
-    """Phase timer for `profile=True` (synchronising, so only for measurement runs); a no-op otherwise."""
-
-    def __init__(self, enabled, device, totals):
-        self.enabled, self.device, self.totals = enabled, device, totals
-        self.t = 0.0
-
-    def _now(self):
-        if torch.device(self.device).type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def start(self):
-        if self.enabled:
-            self.t = self._now()
-            self.totals["rounds"] += 1
-
-    def lap(self, phase):
-        if self.enabled:
-            now = self._now()
-            self.totals[phase] += now - self.t
-            self.t = now
-
-
-def predicted_speedup(tau: float, t_draft: float, t_verify: float, t_ar_step: float) -> float:
-    """Latency model: tokens per second of speculative decoding over plain decoding,
-    (τ / (T_draft + T_verify)) / (1 / T_ar_step); with T_ar_step ≈ T_verify it is τ·T_verify/(T_draft+T_verify)."""
-    return tau * t_ar_step / (t_draft + t_verify)
-
-
-__all__ = ["SpeculativeEngine", "inverse_cdf", "point_mass", "predicted_speedup", "running_mass"]
+__all__ = ["DecodeState", "SpeculativeEngine", "inverse_cdf", "point_mass", "predicted_speedup", "running_mass"]

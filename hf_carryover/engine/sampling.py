@@ -1,7 +1,7 @@
 """Sampling helpers of the engine's rounds: draws from given uniforms, in a fixed order of float additions.
 
 A captured or compiled round holds no random op and no Generator: its uniforms come from the decode state, filled from
-the call's generator before each round (`engine.DecodeState.draw`), and these functions turn them into tokens.
+the call's generator before each round (`state.DecodeState.draw`), and these functions turn them into tokens.
 """
 
 from __future__ import annotations

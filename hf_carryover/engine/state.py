@@ -1,0 +1,106 @@
+"""The engine's static decoding state: every tensor a round reads and writes besides the weights and the caches.
+
+Why a class of its own: a captured CUDA graph replays reads and writes at fixed addresses, so these tensors are
+allocated once per shape and only ever updated in place (`DecodeState.tensors` lists what a capture snapshots).
+The rounds (`engine.py`, `tree_round.py`) and the continuous-batching refill (`refill.py`) all work on it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def is_eos(tokens, eos):
+    """`tokens` `[...]` in the EOS id list `eos` `[n]` (n may be 0): one broadcast compare, shape-static."""
+    return (tokens[..., None] == eos).any(-1)
+
+
+class DecodeState:
+    """Everything a round reads and writes besides the weights: allocated once per (b, k, cap, n_eos) and only
+    ever updated in place, because a captured graph holds these exact addresses. `reset` loads a new prompt's
+    state after its (eager) prefill; positions the last call left in the caches are never visible (see
+    `static_cache.py`: every position below a row's anchor is rewritten by that row's prefill or accepted
+    verifications before any query can see it), so the caches are reused without clearing."""
+
+    def __init__(self, b, k, max_new, n_eos, caches, n_feat, feat_dtype, device, seq_len, n_noise=None):
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.b, self.k, self.max_new, self.cap = b, k, max_new, max_new + k + 1
+        self.cache, self.dcache = caches
+        self.anchor, self.anchor_pos, self.n_out = zeros(b), zeros(b), zeros(b)  # token, its position, emitted
+        self.done = zeros(b, dtype=torch.bool)
+        self.out = zeros(b, self.cap)  # generated tokens; a round addresses slots n_out..n_out+k, hence k+1 spare
+        # accepted drafts per row and round (-1 where the row was already done); an active row emits >= 1 token
+        # a round and starts with 1, so at most max_new - 1 rounds run
+        self.accepted = zeros(b, max(max_new, 1))
+        self.round = zeros(b)  # per row: rounds since its prompt was loaded, the column of `accepted` to write
+        self.seq = zeros(b, seq_len)  # committed tokens at their positions (prompt, anchor, emitted): for lookup
+        self.looked = zeros(b, max(max_new, 1), dtype=torch.bool)  # per row and round: proposals came from lookup
+        # the next round's context lookup, computed at the end of the previous round (or after the prefill), so that
+        # the host learns whether that round needs the drafter from the same read that tells it whether to go on
+        self.look, self.n_look = zeros(b, k), zeros(b)
+        # [every row done, every unfinished row looks up, row 0 done, ..., row b-1 done]: the one read of a round (the
+        # per-row flags tell continuous batching which rows to refill)
+        self.flags = zeros(2 + b, dtype=torch.bool)
+        self.eos = zeros(n_eos)
+        self.carry = zeros(b, k, n_feat, dtype=feat_dtype) if n_feat else None  # last verification's rows 1..k
+        self.carry_valid = zeros(b, k, dtype=torch.bool)
+        self.carry_pos = zeros(b, k)
+        # sampled rounds: the round's uniforms (k draft draws, k acceptance tests, 1 correction/bonus draw; a
+        # sampled tree round one draw per verified row, `n_noise`) and the temperature live here, filled from the
+        # call's Generator *outside* the round, so the round itself has no Generator argument: torch.compile does
+        # not split it and a CUDA graph can replay it
+        self.noise = zeros(b, n_noise or 2 * k + 1, dtype=torch.float32)
+        self.temperature = torch.ones((), dtype=torch.float32, device=device)
+
+    def reset(self, anchor, plen, eos, prompt_tokens):
+        """Every row starts its prompt (after the call's prefill): `anchor` `[b]` first tokens, `plen` `[b]` prompt
+        lengths, `prompt_tokens` `[b, w]` (padding past a row's prompt: never read)."""
+        self.eos.copy_(eos)
+        self._load(slice(None), anchor, plen, prompt_tokens)
+        self.set_flags(torch.zeros_like(self.done[0]))
+
+    def reset_row(self, r: int, anchor, plen: int, prompt) -> None:
+        """Load a new prompt into row r alone (continuous batching: the row's previous request has finished and been
+        read out), as `reset` loads every row. `anchor` is a 0-d token tensor, `prompt` `[plen]` the prompt's ids.
+        The other rows are untouched; the caller refreshes `flags` (and the lookup) afterwards."""
+        self._load(slice(r, r + 1), anchor.reshape(1), torch.full((1,), plen, device=self.anchor.device), prompt[None])
+
+    def _load(self, rows: slice, anchor, plen, prompt_tokens) -> None:
+        """The per-row part of `reset` for the rows `rows` (a slice, so every write is in place through a view)."""
+        self.seq[rows, : prompt_tokens.shape[1]].copy_(prompt_tokens)
+        self.seq[rows].scatter_(1, plen[:, None], anchor[:, None])
+        self.looked[rows] = False
+        self.anchor[rows] = anchor
+        self.anchor_pos[rows] = plen  # position of the first generated token
+        self.out[rows] = 0
+        self.out[rows, 0] = anchor
+        self.n_out[rows] = 1
+        self.done[rows] = is_eos(anchor, self.eos) | (self.max_new <= 1)  # the first token may end the row
+        self.look[rows] = 0
+        self.n_look[rows] = 0
+        self.accepted[rows] = -1
+        self.round[rows] = 0
+        if self.carry is not None:  # nothing valid in the first round; any positions do
+            self.carry[rows] = 0
+            self.carry_valid[rows] = False
+            self.carry_pos[rows] = plen[:, None] + torch.arange(1, self.k + 1, device=plen.device)
+
+    def set_flags(self, all_look: torch.Tensor) -> None:
+        """`flags` from `done` and the lookup flag (a 0-d bool tensor), in place (also inside a round)."""
+        self.flags.copy_(torch.cat([torch.stack([self.done.all(), all_look]), self.done]))
+
+    def draw(self, gen: torch.Generator) -> None:
+        """This round's uniforms from the call's generator (eager, before the round or its graph replay)."""
+        self.noise.uniform_(0.0, 1.0, generator=gen)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor a round writes (state and both caches): what capture must snapshot and restore."""
+        own = [self.anchor, self.anchor_pos, self.n_out, self.done, self.out, self.accepted, self.round,
+               self.carry_valid, self.carry_pos, self.seq, self.looked, self.look, self.n_look, self.flags]
+        own += [self.carry] if self.carry is not None else []
+        caches = self.cache.k + self.cache.v
+        if self.dcache is not None:
+            caches += self.dcache.keys + self.dcache.values
+        return own + caches
