@@ -169,7 +169,8 @@ def parse_inductor_options(pairs) -> dict:
                 raise ValueError
             opts[key] = ast.literal_eval(val)
         except (ValueError, SyntaxError):
-            raise SystemExit(f"inductor option {pair!r}: expected KEY=VALUE with a Python literal, e.g. freezing=True")
+            raise SystemExit(f"inductor option {pair!r}: expected KEY=VALUE with a Python literal, e.g. "
+                             "freezing=True") from None
     return opts
 
 

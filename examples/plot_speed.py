@@ -49,12 +49,14 @@ def select_rows(paths, methods=None) -> tuple[list[dict], list[str]]:
             seen[key] = path
             rows.append({**r, "source": str(path)})
     if not rows:
-        raise SystemExit(f"No summary rows{' for ' + ' '.join(methods) if methods else ''} in {' '.join(map(str, paths))}")
+        which = f" for {' '.join(methods)}" if methods else ""
+        raise SystemExit(f"No summary rows{which} in {' '.join(map(str, paths))}")
     return rows, skipped
 
 
 def environment(paths) -> str:
-    """'NVIDIA H200 · b103102bcb · torch ... · transformers ... · vllm ...' from the bench.json files beside `paths`."""
+    """'NVIDIA H200 · commit b103102bcb · torch ... · transformers ... · vllm ...' from the bench.json files beside
+    `paths`."""
     envs = []
     for p in paths:
         for name in ("bench.json", "bench_vllm.json"):
@@ -90,7 +92,8 @@ def main():
     fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.2), squeeze=False)
     for ax, b in zip(axes[0], batches):
         here = [r for r in rows if batch_of(r["method"]) == b]
-        methods = sorted({r["method"] for r in here}, key=lambda m: min(r["tok_per_s"] for r in here if r["method"] == m))
+        speed = {r["method"]: r["tok_per_s"] for r in here}  # bars slowest first: any dataset's row orders them
+        methods = sorted(speed, key=speed.get)
         width = 0.8 / len(methods)
         for i, m in enumerate(methods):
             for j, d in enumerate(datasets):
