@@ -14,7 +14,8 @@ from hf_carryover.engine import engine as engine_mod
 from hf_carryover.engine import refill as refill_mod
 from hf_carryover.engine.engine import DecodeState, SpeculativeEngine
 from hf_carryover.engine.static_cache import TargetStaticCache
-from hf_carryover.engine.tree import TreeSpec, accept_tree, select_tree, static_tree
+from hf_carryover.engine.tree import (TreeSpec, accept_tree, lookup_ranks, node_ranks, node_tokens, select_tree,
+                                      static_tree)
 
 WIDE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0), (0, 0, 1)]
 
@@ -207,6 +208,32 @@ def test_select_tree_keeps_the_chain_a_lookup_reaches():
     assert torch.equal(forced["depth"][1], free["depth"][1]) and torch.equal(forced["rank"][1], free["rank"][1])
     chain = [i for i in range(9) if forced["main"][0, i]]
     assert sorted(forced["depth"][0, chain].tolist()) == list(range(7))  # root + chain depths 1..6
+
+
+
+def test_siblings_of_a_looked_up_token_take_the_drafters_ranking_without_it():
+    """With a lookup on the rank-0 chain, each looked-up token's siblings propose the drafter's ranked tokens minus
+    the looked-up one, so the drafter's first choice is still proposed; nodes elsewhere, depths the lookup does not
+    reach and rounds without a lookup keep their own ranks. Scores in `select_tree` follow the proposed tokens."""
+    tree = TreeSpec([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)])
+    top = torch.tensor([[[5, 7, 9], [20, 21, 22], [30, 31, 32]]]).expand(4, -1, -1)  # [b, D=3, R=3]
+    look = torch.tensor([[7, 21, 99], [11, 20, 30], [5, 20, 30], [0, 0, 0]])  # row 3: no lookup
+    n_look = torch.tensor([2, 1, 3, 0])
+    lpos = lookup_ranks(top, look, n_look)
+    assert lpos.tolist() == [[1, 1, -1], [3, -1, -1], [0, 0, 0], [-1, -1, -1]]
+    t = static_tree(tree, 4, "cpu")
+    tokens = node_tokens(top, t, node_ranks(t, lpos))
+    # node order: (0,) (1,) (2,) (0,0) (0,1) (1,0) (0,0,0) (0,0,1); the chain nodes get the lookup later (engine)
+    assert tokens[0].tolist() == [5, 5, 9, 20, 20, 20, 30, 31]  # 7 looked up at depth 1: siblings 5, 9; 21 at depth 2
+    assert tokens[1].tolist() == [5, 5, 7, 20, 21, 20, 30, 31]  # 11 not in the ranking: siblings shift by one
+    assert tokens[2].tolist() == [5, 7, 9, 20, 21, 20, 30, 31]  # the lookup agrees with rank 0: nothing moves
+    assert torch.equal(tokens[3], node_tokens(top, t)[3])  # no lookup: own ranks
+    assert tokens[1, 5] == 20  # (1, 0): child of a non-chain node, own rank even where depth 2 has no lookup
+    lp = torch.tensor([[0.6, 0.3, 0.1]] * 3).log()[None].expand(4, -1, -1)
+    shifted = select_tree(tree, lp, 2, lookup_pos=lpos)
+    plain = select_tree(tree, lp, 2)
+    # row 1 (lookup 11 at depth 1): sibling (1,) proposes rank 0 now, so it outscores (0, 0)
+    assert plain["depth"][1].tolist() == [0, 1, 2] and shifted["depth"][1].tolist() == [0, 1, 1]
 
 
 # every token of the 16-token test vocabulary at depth 1, the top 6 x 6 at depth 2: a draw always matches a child

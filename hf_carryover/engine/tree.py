@@ -145,7 +145,7 @@ def static_tree(spec: TreeSpec, b: int, device) -> dict:
     return {name: v.expand(b, *v.shape) for name, v in t.items()}
 
 
-def select_tree(spec: TreeSpec, logprobs: torch.Tensor, nodes: int, keep_chain=None) -> dict:
+def select_tree(spec: TreeSpec, logprobs: torch.Tensor, nodes: int, keep_chain=None, lookup_pos=None) -> dict:
     """Per-row trees of `nodes` nodes chosen from the superset `spec` by the drafter's own probabilities.
 
     logprobs `[b, D, R]`: log-probabilities of the drafter's top-R tokens at depths 1..D. A node's score is its path's
@@ -156,11 +156,15 @@ def select_tree(spec: TreeSpec, logprobs: torch.Tensor, nodes: int, keep_chain=N
 
     keep_chain `[b]` (optional): per row, the depth to which the rank-0 chain is kept whatever it scores. A context
     lookup puts its tokens there, and a looked-up continuation is often right far deeper than the drafter is sure of:
-    without this, a 15-token lookup would be cut to the few chain nodes the drafter's own scores keep."""
+    without this, a 15-token lookup would be cut to the few chain nodes the drafter's own scores keep.
+
+    lookup_pos `[b, D]` (optional, `lookup_ranks`): a looked-up token's siblings are scored by the token they will
+    propose (`node_ranks`), not by their own rank."""
     t = spec.tensors(logprobs.device)
     b, R = logprobs.shape[0], logprobs.shape[2]
     depth, rank = t["depth"], t["rank"]
-    node_lp = logprobs.flatten(1)[:, (depth[1:] - 1) * R + rank[1:]]  # [b, M]: each superset node's own step
+    ranks = node_ranks(static_tree(spec, b, logprobs.device), lookup_pos)  # [b, M]
+    node_lp = logprobs.flatten(1).gather(1, (depth[1:] - 1) * R + ranks)  # [b, M]: each superset node's own step
     path_lp = node_lp @ t["anc"][1:, 1:].T.to(node_lp.dtype)  # [b, M]: summed over the node and its ancestors
     score = path_lp - 1e-4 * depth[1:]
     if keep_chain is not None:  # forced chain nodes outrank every other node, shallow first (still a tree)
@@ -174,16 +178,45 @@ def select_tree(spec: TreeSpec, logprobs: torch.Tensor, nodes: int, keep_chain=N
             "anc": t["anc"][sel[:, :, None], sel[:, None, :]], "main": t["main"][sel]}  # anc: [b, N+1, N+1]
 
 
-def node_tokens(top: torch.Tensor, t: dict) -> torch.Tensor:
-    """Proposal tokens of the tree nodes `[b, N]` from the drafter's top-ranked tokens `top` `[b, D, R]`."""
-    depth, rank = t["depth"][:, 1:], t["rank"][:, 1:]
-    return top.flatten(1).gather(1, (depth - 1) * top.shape[2] + rank)
+def lookup_ranks(top: torch.Tensor, look: torch.Tensor, n_look: torch.Tensor) -> torch.Tensor:
+    """`[b, D]`: where the looked-up token of each depth sits in the drafter's ranking `top` `[b, D, R]` (R where it
+    is not among the top R), -1 at depths without one (no lookup, or deeper than it reaches). `look` `[b, >=D]` and
+    `n_look` `[b]` are the round's lookup (`n_look` 0: none)."""
+    D, R = top.shape[1], top.shape[2]
+    eq = top == look[:, :D, None]  # [b, D, R]
+    pos = torch.where(eq.any(-1), eq.long().argmax(-1), R)
+    depth = torch.arange(1, D + 1, device=top.device)
+    return torch.where(depth[None] <= n_look[:, None], pos, -1)
+
+
+def node_ranks(t: dict, lookup_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """`[b, N]`: the rank in the drafter's list that each node's token is taken from.
+
+    A node's own rank, except for the siblings of a looked-up token. A lookup puts its tokens on the rank-0 chain,
+    so the drafter's rank-0 token at that depth would otherwise be proposed nowhere, and a sibling could repeat the
+    looked-up token. Instead the siblings take the drafter's ranking with the looked-up token removed: the rank-r
+    sibling gets rank r-1 where the looked-up token ranks below r-1 (or not at all), else rank r. `lookup_pos` `[b, D]`
+    from `lookup_ranks` (-1: no lookup at that depth, no change); None: the nodes' own ranks."""
+    rank = t["rank"][:, 1:]
+    if lookup_pos is None:
+        return rank
+    depth, parent, main = t["depth"][:, 1:], t["parent"][:, 1:], t["main"]
+    sibling = main.gather(1, parent) & ~main[:, 1:]  # [b, N]: child of a chain node, not on the chain itself
+    at = lookup_pos.gather(1, depth - 1)  # [b, N]: where the looked-up token at this node's depth ranks (-1: none)
+    return torch.where(sibling, rank - 1 + (rank - 1 >= at).long(), rank)
+
+
+def node_tokens(top: torch.Tensor, t: dict, ranks: torch.Tensor | None = None) -> torch.Tensor:
+    """Proposal tokens of the tree nodes `[b, N]` from the drafter's top-ranked tokens `top` `[b, D, R]`, each node's
+    taken from its own rank or from `ranks` `[b, N]` (`node_ranks`)."""
+    ranks = t["rank"][:, 1:] if ranks is None else ranks
+    return top.flatten(1).gather(1, (t["depth"][:, 1:] - 1) * top.shape[2] + ranks)
 
 
 def unique_children(tokens: torch.Tensor, t: dict) -> torch.Tensor:
-    """`[b, N]` bool: False for a node whose token an earlier sibling already proposes (only after a lookup put its
-    tokens on the rank-0 chain). Siblings with equal tokens would both be accepted; keeping the first keeps the
-    accepted nodes one path."""
+    """`[b, N]` bool: False for a node whose token an earlier sibling already proposes. Siblings with equal tokens
+    would both be accepted; keeping the first keeps the accepted nodes one path. With `node_ranks` a looked-up token's
+    siblings skip it, so this is a safety net (a caller that puts other tokens on the tree may need it)."""
     parent = t["parent"][:, 1:]
     same_parent = parent[:, :, None] == parent[:, None, :]  # [b, N, N]
     earlier = torch.ones_like(same_parent[0]).tril(-1)  # j < i
@@ -226,5 +259,5 @@ def accept_tree(tokens: torch.Tensor, valid: torch.Tensor, choice: torch.Tensor,
     return a, path, choice.gather(1, last[:, None])[:, 0]
 
 
-__all__ = ["TreeSpec", "accept_tree", "check_tree", "fit_tree", "node_tokens", "select_tree", "static_tree", "tree_mask",
-           "unique_children"]
+__all__ = ["TreeSpec", "accept_tree", "check_tree", "fit_tree", "lookup_ranks", "node_ranks", "node_tokens",
+           "select_tree", "static_tree", "tree_mask", "unique_children"]

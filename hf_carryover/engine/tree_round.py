@@ -12,7 +12,8 @@ import torch
 
 from .sampling import inverse_cdf
 from .state import DecodeState
-from .tree import TreeSpec, accept_tree, node_tokens, select_tree, static_tree, tree_mask, unique_children
+from .tree import (TreeSpec, accept_tree, lookup_ranks, node_ranks, node_tokens, select_tree, static_tree, tree_mask,
+                   unique_children)
 
 
 class TreeRounds:
@@ -23,9 +24,10 @@ class TreeRounds:
         """One round that verifies a draft tree (`tree.py`; static or chosen per row), not the linear block.
 
         The drafter drafts as usual, with the previous round's carryover states if it is a Carryover drafter
-        (`_tree_carry`); the tree's nodes take its top-ranked tokens; with `lookup`, a row's
-        looked-up tokens replace the rank-0 chain's (the other nodes stay as alternatives). One target forward
-        verifies all nodes; the accepted path's K/V and target features are moved to the positions after the
+        (`_tree_carry`); the tree's nodes take its top-ranked tokens; with `lookup`, a row's looked-up tokens
+        replace the rank-0 chain's, and their siblings take the drafter's ranking without the looked-up token, so the
+        drafter's own first choice stays among the alternatives (`tree.node_ranks`). One target forward verifies all
+        nodes; the accepted path's K/V and target features are moved to the positions after the
         anchor, so the caches end as after a linear verification of that path. `nodes` (a Python int): each row
         verifies the `nodes` nodes of `tree` its drafter finds likeliest (`tree.select_tree`); None: all of `tree`.
         No host sync, fixed shapes.
@@ -43,16 +45,17 @@ class TreeRounds:
         logits_d = self._draft_logits(st.dcache, st.anchor, st.anchor_pos, st.carry if on else None, st.carry_pos,
                                       st.carry_valid if on else st.carry_valid[:, :0])
         lp, top = logits_d[:, : tree.max_depth].log_softmax(-1).topk(tree.max_rank, -1)  # [b, D, R] each
-        hit = None
+        hit = lpos = None
         if lookup:
             look, n_look = st.look.clone(), st.n_look.clone()  # [b, k], [b]
             hit = n_look > 0
+            lpos = lookup_ranks(top, look, n_look)  # [b, D]: the looked-up tokens' places in the drafter's ranking
         # a dynamic tree keeps the rank-0 chain as deep as the lookup reaches (its tokens go there, below)
         t = static_tree(tree, b, st.anchor.device) if nodes is None else select_tree(
-            tree, lp, nodes, keep_chain=torch.where(hit, n_look, 0) if lookup else None)
+            tree, lp, nodes, keep_chain=torch.where(hit, n_look, 0) if lookup else None, lookup_pos=lpos)
         depth = t["depth"]  # [b, N+1]
         n = depth.shape[1]
-        tokens = node_tokens(top, t)  # [b, N]
+        tokens = node_tokens(top, t, node_ranks(t, lpos))  # [b, N]; a looked-up token's siblings skip it
         if lookup:
             d1 = depth[:, 1:]
             use = t["main"][:, 1:] & hit[:, None] & (d1 <= n_look[:, None])  # [b, N]
