@@ -378,9 +378,9 @@ def test_engine_decodes_in_eval_mode_and_leaves_the_callers_modes():
 def test_frozen_compiled_round_merges_projections_and_equals_eager():
     """compile_options={"freezing": True} compiles the weights in as constants, and inductor then merges the q/k/v
     projections and the gate/up projections that read the same input: 4 GEMMs per layer instead of 7 (the merge needs
-    "cpp.enable_concat_linear" on CPU; on CUDA freezing alone enables it). Tokens and rounds stay the eager engine's in
-    fp32. The generated code is read back (`run_and_get_code`), with inductor's graph cache off so that a cached
-    compile cannot hide it."""
+    "cpp.enable_concat_linear" on CPU; inductor's check asks for it on CPU only, not run on CUDA here). Tokens and
+    rounds stay the eager engine's in fp32. The generated code is read back (`run_and_get_code`), with inductor's
+    graph cache off so that a cached compile cannot hide it."""
     from torch._inductor.utils import run_and_get_code
 
     target = build_target("llama", seed=5)

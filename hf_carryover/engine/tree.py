@@ -195,7 +195,7 @@ def node_ranks(t: dict, lookup_pos: torch.Tensor | None = None) -> torch.Tensor:
     A node's own rank, except for the siblings of a looked-up token. A lookup puts its tokens on the rank-0 chain,
     so the drafter's rank-0 token at that depth would otherwise be proposed nowhere, and a sibling could repeat the
     looked-up token. Instead the siblings take the drafter's ranking with the looked-up token removed: the rank-r
-    sibling gets rank r-1 where the looked-up token ranks below r-1 (or not at all), else rank r. `lookup_pos` `[b, D]`
+    sibling gets rank r-1 where the looked-up token is not among ranks 0..r-1, else rank r. `lookup_pos` `[b, D]`
     from `lookup_ranks` (-1: no lookup at that depth, no change); None: the nodes' own ranks."""
     rank = t["rank"][:, 1:]
     if lookup_pos is None:
