@@ -98,7 +98,7 @@ def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, loo
     longest = max(len(p) for p in prompts)
     k = drafter.config.num_proposals if drafter is not None else (lookup or 0)
     eng = SpeculativeEngine(target, drafter, max_len=longest + args.max_new_tokens + 2 * k + 2, cuda_graphs=True,
-                            compile=True)
+                            compile=True, compile_options=args.compile_options)
     held = {}
     make_state = eng._state
 
@@ -194,19 +194,16 @@ def main():
     p.add_argument("--modes", nargs="+", default=["ar", "lookup", "linear_lookup", "tree_lookup"],
                    choices=["ar", "lookup", "linear", "linear_lookup", "tree", "tree_lookup"])
     p.add_argument("--no_parts", action="store_true", help="skip the separately captured parts")
-    p.add_argument("--inductor", nargs="*", default=[], help="inductor config options KEY=VALUE (Python literals)")
+    p.add_argument("--inductor", nargs="*", default=[], help="inductor options KEY=VALUE (Python literals) for the "
+                   "engine's compiled rounds and parts (its compile_options)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_engine.py times captured CUDA rounds: it needs a GPU")
-    import functools
-
-    import torch._inductor.config as icfg
     from benchmark import parse_inductor_options
 
-    for key, val in parse_inductor_options(args.inductor).items():  # e.g. combo_kernels=True, triton.cudagraphs=False
-        *parents, name = key.split(".")
-        setattr(functools.reduce(getattr, parents, icfg), name, val)
+    # e.g. freezing=True: the engine's compile_options, as benchmark.py --inductor passes them (rounds and parts alike)
+    args.compile_options = parse_inductor_options(args.inductor)
     dtype = getattr(torch, args.dtype)
     target = load_target(args.target, dtype, "cuda")
     drafter = None
