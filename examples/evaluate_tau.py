@@ -47,6 +47,9 @@ def load_target(name, dtype, device):
     return target.to(device).eval()
 
 
+ENGINE_KEYS = ("lookup_siblings",)  # spec keys passed to SpeculativeEngine (--engine), not to the drafter's config
+
+
 def load_drafters(specs, dtype, device):
     """`name=folder[,key=value...]` specs -> {name: drafter} (remote code, as users load them). The optional
     config overrides serve ablations, e.g. `carry-off=FOLDER,carryover=false` runs a Carryover-trained drafter
@@ -57,10 +60,12 @@ def load_drafters(specs, dtype, device):
     for spec in specs:
         name, path, overrides, lookup = parse_spec(spec)
         tree = {k: overrides.pop(k) for k in ("tree", "tree_nodes") if k in overrides}
+        engine_kw = {k: overrides.pop(k) for k in ENGINE_KEYS if k in overrides}
         drafters[name] = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=dtype,
                                                    **overrides).to(device).eval()
         drafters[name]._eval_lookup = lookup
         drafters[name]._eval_tree = tree
+        drafters[name]._eval_engine = engine_kw
     return drafters
 
 
@@ -68,7 +73,8 @@ def parse_spec(spec: str):
     """`name=folder[,key=value...]` -> (name, folder, config overrides, lookup N or None): `lookup=N` is a generate()
     argument (context lookup, `prompt_lookup_num_tokens=N`), not a config field; so are `tree=FILE` and `tree_nodes=N`
     (verify a draft tree from `examples/calibrate_tree.py`, N nodes per round: in the engine, or through generate()
-    with `drafter.use_draft_tree`), which stay in the overrides until `load_drafters` takes them out."""
+    with `drafter.use_draft_tree`), which stay in the overrides until `load_drafters` takes them out; so does
+    `lookup_siblings=false` (`ENGINE_KEYS`, a `SpeculativeEngine` argument, --engine only)."""
     name, rest = spec.split("=", 1)
     path, *pairs = rest.split(",")
     overrides = {k: json.loads(v) if v in ("true", "false") or v.lstrip("-").isdigit() else v
@@ -171,7 +177,7 @@ def engine_mode(args):
                 if "tree" in tree:  # a draft tree instead of the linear block (TreeSpec; N nodes per round or all)
                     tree["tree"] = TreeSpec.load(tree["tree"])
                 extra = (tree.get("tree_nodes") or tree["tree"].num_nodes) if tree else 0  # rows a round writes
-                engine = SpeculativeEngine(target, drafter,
+                engine = SpeculativeEngine(target, drafter, **drafter._eval_engine,
                                            max_len=width + args.max_new_tokens + 2 * drafter.config.block_size + extra)
                 for i in range(0, len(rows), args.engine_batch):
                     chunk = rows[i : i + args.engine_batch]
@@ -190,6 +196,7 @@ def engine_mode(args):
                                        tree=drafter._eval_tree["tree"])
                         if lookup:  # as the generate() records: the setting and how many rounds looked up
                             rec.update(lookup=lookup, lookup_rounds=sum(looked))
+                        rec.update(drafter._eval_engine)  # e.g. lookup_siblings: false
                         out.write(json.dumps(rec) + "\n")
                     out.flush()
                 print(f"{name} {dataset} T={temp}: {len(rows)} prompts", flush=True)
@@ -269,6 +276,9 @@ def main():
                                                                and not args.engine)):
         raise SystemExit(f"{trees}: draft trees (tree=FILE) run through the engine (--engine, any temperature) or "
                          "generate() (greedy: --temperatures 0); the offline replay verifies linear blocks")
+    engine_only = [d for d in args.drafters if set(parse_spec(d)[2]) & set(ENGINE_KEYS)]
+    if engine_only and not args.engine and not args.summarize_only:
+        raise SystemExit(f"{engine_only}: {'/'.join(ENGINE_KEYS)} are SpeculativeEngine arguments: they need --engine")
     if looked and args.offline:
         raise SystemExit(f"{looked}: context lookup (lookup=N) runs through generate() and the engine; the offline "
                          "replay has no lookup yet (examples/lookup_hybrid_offline.py replays it at T=0)")

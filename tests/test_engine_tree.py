@@ -236,6 +236,28 @@ def test_siblings_of_a_looked_up_token_take_the_drafters_ranking_without_it():
     assert plain["depth"][1].tolist() == [0, 1, 2] and shifted["depth"][1].tolist() == [0, 1, 1]
 
 
+@pytest.mark.parametrize("siblings", [True, False])
+def test_lookup_siblings_switch_is_exact_and_switches_the_ranking(monkeypatch, siblings):
+    """`lookup_siblings=False` (kept for paired τ runs) gives a looked-up token's siblings their own ranks again:
+    `lookup_ranks` is not consulted and `node_ranks` gets None. Both settings equal plain greedy decoding on a
+    prompt that loops, so lookups hit."""
+    seen = []
+    real = node_ranks
+
+    def spy(t, lookup_pos=None):
+        seen.append(lookup_pos)
+        return real(t, lookup_pos)
+
+    monkeypatch.setattr("hf_carryover.engine.tree_round.node_ranks", spy)
+    target = _target()
+    prompts = [PROMPT_LOOP[0].tolist(), PROMPT_LOOP[0, 6:].tolist()]
+    refs = _greedy_refs(target, prompts, 20)
+    engine = SpeculativeEngine(target, _drafter(target, "dflash"), max_len=128, lookup_siblings=siblings)
+    assert engine.generate(prompts, max_new_tokens=20, tree=WIDE, prompt_lookup_num_tokens=4, tree_nodes=6) == refs
+    assert sum(map(sum, engine.lookup_rounds)) > 0
+    assert seen and all((p is not None) == siblings for p in seen)
+
+
 # every token of the 16-token test vocabulary at depth 1, the top 6 x 6 at depth 2: a draw always matches a child
 FULL16 = [(r,) for r in range(16)] + [(r, s) for r in range(6) for s in range(6)] + [(0, 0, s) for s in range(4)]
 

@@ -777,3 +777,12 @@ def test_benchmark_inductor_options_are_parsed_and_need_compile(tmp_path):
     res = subprocess.run([sys.executable, str(ROOT / "examples" / "benchmark.py"), "--target", "tiny", "--inductor",
                           "freezing=True", "--out", str(tmp_path / "x")], env=env, capture_output=True, text=True)
     assert res.returncode != 0 and "it needs --compile" in res.stderr
+
+
+def test_evaluate_tau_refuses_engine_keys_without_engine(tmp_path):
+    """`lookup_siblings=false` is a SpeculativeEngine argument: without --engine the script says so before loading
+    anything, instead of passing it to the drafter's config."""
+    script = str(ROOT / "examples" / "evaluate_tau.py")
+    r = subprocess.run([sys.executable, script, "--drafters", "x=nowhere,lookup=4,lookup_siblings=false",
+                        "--out", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode != 0 and "lookup_siblings are SpeculativeEngine arguments: they need --engine" in r.stderr

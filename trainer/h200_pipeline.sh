@@ -652,7 +652,8 @@ tree)  # draft trees (hf_carryover/engine/tree.py) for the stashed drafters TREE
   #          (SPEED_SECONDS box; each compiled round shape costs about a minute the first time)
   # TREE_DIR: where tau and speed read tree_<drafter>.json (default: this phase's calib output, e.g. a committed
   # results folder instead); TAU_DATASETS (default all three); TAU_LINEAR=0 leaves out the linear and lookup rows,
-  # TREE_LOOKUP_ONLY=1 the tree rows without lookup.
+  # TREE_LOOKUP_ONLY=1 the tree rows without lookup; TAU_SIBLINGS_OFF=1 adds each tree + lookup row with
+# lookup_siblings=false (SpeculativeEngine: a looked-up token's siblings keep their own ranks), for a paired τ.
   stamp=$(date +%H%M%S)
   TD=${TREE_DIR:-$R}
   ready_target
@@ -672,6 +673,8 @@ tree)  # draft trees (hf_carryover/engine/tree.py) for the stashed drafters TREE
       for n in ${TREE_NODES:-31 63}; do
         [ "${TREE_LOOKUP_ONLY:-0}" = 1 ] || D="$D $d-tree$n=$A/drafters/$d,tree=$TD/tree_$d.json,tree_nodes=$n"
         D="$D $d-tree$n-lookup=$A/drafters/$d,tree=$TD/tree_$d.json,tree_nodes=$n,lookup=15"
+        [ "${TAU_SIBLINGS_OFF:-0}" = 1 ] && \
+          D="$D $d-tree$n-lookup-nosib=$A/drafters/$d,tree=$TD/tree_$d.json,tree_nodes=$n,lookup=15,lookup_siblings=false"
       done
     done
     timeout ${TAU_SECONDS:-420} python3 examples/evaluate_tau.py --prompts_dir $A/prompts --dtype float32 --engine \

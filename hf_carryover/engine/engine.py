@@ -79,7 +79,8 @@ MAX_LEN_ALIGN = 64
 
 class SpeculativeEngine(TreeRounds):
     def __init__(self, target, drafter=None, max_len: int = 2048, profile: bool = False, cuda_graphs: bool = False,
-                 compile: bool | str = False, lookup_skips_drafter: bool = True, compile_options: dict | None = None):
+                 compile: bool | str = False, lookup_skips_drafter: bool = True, compile_options: dict | None = None,
+                 lookup_siblings: bool = True):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -112,8 +113,14 @@ class SpeculativeEngine(TreeRounds):
         lookup_skips_drafter=True (with context lookup): a round in which every unfinished row looks up runs without
         the drafter (its drafted block would be discarded anyway; output and rounds are the same either way, tested).
         False drafts in every round, which is what the benchmark compares against. `self.skipped_drafts` counts the
-        last call's rounds that skipped it."""
+        last call's rounds that skipped it.
+
+        lookup_siblings=True (tree rounds with context lookup): a looked-up token's siblings propose the drafter's
+        ranking without that token (`tree.node_ranks`). False gives them their own ranks, as before 2026-12-02, so
+        where the lookup displaced the drafter's first choice that choice is verified nowhere; kept for the paired
+        τ comparison of the two (`examples/evaluate_tau.py`'s `lookup_siblings=false`). Both are exact."""
         self.lookup_skips_drafter = lookup_skips_drafter
+        self.lookup_siblings = lookup_siblings
         self.skipped_drafts = 0
         # diagnostics (`trainer/gpu_replay_diff.py`): called with the DecodeState after every round, eager or
         # replayed; None (the default) costs nothing

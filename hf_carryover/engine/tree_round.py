@@ -17,8 +17,8 @@ from .tree import (TreeSpec, accept_tree, lookup_ranks, node_ranks, node_tokens,
 
 
 class TreeRounds:
-    """`_tree_round` and `_tree_carry` for `SpeculativeEngine`, which provides `drafter`, `_steps`, `_draft_logits`,
-    `_target_forward` and `_commit`."""
+    """`_tree_round` and `_tree_carry` for `SpeculativeEngine`, which provides `drafter`, `lookup_siblings`, `_steps`,
+    `_draft_logits`, `_target_forward` and `_commit`."""
 
     def _tree_round(self, st: DecodeState, tree: TreeSpec, lookup=0, nodes=None, do_sample=False):
         """One round that verifies a draft tree (`tree.py`; static or chosen per row), not the linear block.
@@ -26,9 +26,9 @@ class TreeRounds:
         The drafter drafts as usual, with the previous round's carryover states if it is a Carryover drafter
         (`_tree_carry`); the tree's nodes take its top-ranked tokens; with `lookup`, a row's looked-up tokens
         replace the rank-0 chain's, and their siblings take the drafter's ranking without the looked-up token, so the
-        drafter's own first choice stays among the alternatives (`tree.node_ranks`). One target forward verifies all
-        nodes; the accepted path's K/V and target features are moved to the positions after the
-        anchor, so the caches end as after a linear verification of that path. `nodes` (a Python int): each row
+        drafter's own first choice stays among the alternatives (`tree.node_ranks`; not with `lookup_siblings=False`).
+        One target forward verifies all nodes; the accepted path's K/V and target features are moved to the positions
+        after the anchor, so the caches end as after a linear verification of that path. `nodes` (a Python int): each row
         verifies the `nodes` nodes of `tree` its drafter finds likeliest (`tree.select_tree`); None: all of `tree`.
         No host sync, fixed shapes.
 
@@ -49,7 +49,8 @@ class TreeRounds:
         if lookup:
             look, n_look = st.look.clone(), st.n_look.clone()  # [b, k], [b]
             hit = n_look > 0
-            lpos = lookup_ranks(top, look, n_look)  # [b, D]: the looked-up tokens' places in the drafter's ranking
+            if self.lookup_siblings:  # [b, D]: the looked-up tokens' places in the drafter's ranking
+                lpos = lookup_ranks(top, look, n_look)
         # a dynamic tree keeps the rank-0 chain as deep as the lookup reaches (its tokens go there, below)
         t = static_tree(tree, b, st.anchor.device) if nodes is None else select_tree(
             tree, lp, nodes, keep_chain=torch.where(hit, n_look, 0) if lookup else None, lookup_pos=lpos)
