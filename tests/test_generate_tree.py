@@ -121,6 +121,34 @@ def test_compile_option_compiles_the_engine_round_and_keeps_greedy_output(monkey
     assert drafter.last_candidate_generator.mode == "eager +compile" and compiled[-1] == "_tree_round"
 
 
+def test_compile_options_reach_the_engine_and_are_checked(monkeypatch):
+    """use_draft_tree(compile=True, compile_options=...): generate()'s engine compiles with those inductor options (the
+    engine's own `compile_options`), a new call with options builds a new engine (frozen weights are baked in), and
+    options without compile=True, or a misspelt option, are refused by name. torch.compile is a recorder here."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    target = build_target("llama")
+    drafter = build_drafter(target, "dflash", True)
+    prompt = _prompts(5, (6,))[0]
+    ref = _greedy_refs(target, [prompt], 12)[0]
+    with pytest.raises(ValueError, match="needs compile=True"):
+        drafter.use_draft_tree(WIDE, nodes=5, compile_options={"freezing": True})
+    drafter.use_draft_tree(WIDE, nodes=5, compile=True, compile_options={"freezing": True})
+    assert _generate(target, drafter, prompt, 12) == ref
+    first = drafter.__dict__["_hf_carryover_tree_engine"]
+    assert first.compile_options == {"freezing": True}
+    assert _generate(target, drafter, prompt, 12) == ref
+    assert drafter.__dict__["_hf_carryover_tree_engine"] is first  # same settings: the engine (and its graphs) kept
+    drafter.use_draft_tree(WIDE, nodes=5, compile=True, compile_options={"freezing": True})
+    assert _generate(target, drafter, prompt, 12) == ref
+    assert drafter.__dict__["_hf_carryover_tree_engine"] is not first
+    drafter.use_draft_tree(WIDE, nodes=5, compile=True)
+    assert _generate(target, drafter, prompt, 12) == ref
+    assert drafter.__dict__["_hf_carryover_tree_engine"].compile_options == {}
+    with pytest.raises(ValueError, match="freezng"):
+        drafter.use_draft_tree(WIDE, nodes=5, compile=True, compile_options={"freezng": True})
+    assert _generate(target, drafter, prompt, 12) == ref  # the refused call changed nothing
+
+
 @pytest.mark.parametrize("case", ["sampling", "processor", "streamer", "dict", "short_block", "right_padding"])
 def test_calls_the_tree_path_cannot_serve_fall_back_with_a_warning(case):
     target = build_target("llama")

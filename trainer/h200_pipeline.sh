@@ -144,9 +144,16 @@ ready_target() {  # the converted reference target, joining the GGUF first where
   have_target || join_gguf
   python3 -c "from hf_carryover.reference import reference_target as r; r()" 2>&1 | tail -1
 }
-join_gguf() {  # the reference GGUF from stash's half and the carried .device/p2 half, md5-checked
-  cat "$A/part00" .device/p2/part01 > "$A/smollm2.gguf"
-  (cd "$A" && echo "$(cut -d' ' -f1 "$OLDPWD/.device/p2/smollm2.md5")  smollm2.gguf" | md5sum -c -)
+join_gguf() {  # the reference GGUF from stash's half and the carried .device/p2 half, md5-checked. Called as
+  # `have_target || join_gguf`, where bash's set -e does not reach inside the function: each step returns on failure
+  # itself, and a GGUF that fails its check is removed (2026-12-02d: a call on a fresh machine without the stashed
+  # half left an empty GGUF that have_target then took for the target, and the next call failed on it)
+  [ -f "$A/part00" ] && [ -f .device/p2/part01 ] \
+    || { log "join_gguf: needs $A/part00 (stash, carrying .device/p1) and .device/p2/part01 (carried here)"; return 1; }
+  cat "$A/part00" .device/p2/part01 > "$A/smollm2.gguf.part" || return 1
+  (cd "$A" && echo "$(cut -d' ' -f1 "$OLDPWD/.device/p2/smollm2.md5")  smollm2.gguf.part" | md5sum -c -) \
+    || { rm -f "$A/smollm2.gguf.part"; log "join_gguf: md5 mismatch, the halves do not make the target"; return 1; }
+  mv "$A/smollm2.gguf.part" "$A/smollm2.gguf"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 }
 

@@ -74,16 +74,19 @@ def tree_blockers(drafter, input_ids, generation_config, logits_processor=None, 
 def _engine_for(target, drafter, need: int):
     """The drafter's engine for this target, rebuilt only when the target changes or a call needs longer caches.
     CUDA graphs on CUDA (each shape captured once, then replayed by every later call); eager elsewhere; its tree
-    round compiled after `use_draft_tree(compile=True)` (on CPU too)."""
+    round compiled after `use_draft_tree(compile=True)` (on CPU too), with its `compile_options`."""
     from .engine import SpeculativeEngine
 
     p = next(target.parameters())
     comp = bool(getattr(drafter, "draft_tree_compile", False))  # use_draft_tree(compile=True)
-    where = (p.device, p.dtype, next(drafter.parameters()).device, comp)  # moved or cast models need new buffers
+    opts = dict(getattr(drafter, "draft_tree_compile_options", None) or {})  # use_draft_tree(compile_options=...)
+    # moved or cast models need new buffers; other compile settings a new compile
+    where = (p.device, p.dtype, next(drafter.parameters()).device, comp, repr(sorted(opts.items())))
     eng = drafter.__dict__.get("_hf_carryover_tree_engine")
     if eng is None or eng.target is not target or eng.max_len < need or eng._hf_where != where:
         length = -(-need // _ENGINE_LEN_STEP) * _ENGINE_LEN_STEP
-        eng = SpeculativeEngine(target, drafter, max_len=length, cuda_graphs=p.is_cuda, compile=comp)
+        eng = SpeculativeEngine(target, drafter, max_len=length, cuda_graphs=p.is_cuda, compile=comp,
+                                compile_options=opts or None)
         eng._hf_where = where
         drafter.__dict__["_hf_carryover_tree_engine"] = eng  # not a submodule: never saved, never moved
     return eng
