@@ -660,7 +660,7 @@ tree)  # draft trees (hf_carryover/engine/tree.py) for the stashed drafters TREE
   # TREE_DIR: where tau and speed read tree_<drafter>.json (default: this phase's calib output, e.g. a committed
   # results folder instead); TAU_DATASETS (default all three); TAU_LINEAR=0 leaves out the linear and lookup rows,
   # TREE_LOOKUP_ONLY=1 the tree rows without lookup; TAU_SIBLINGS_OFF=1 adds each tree + lookup row with
-# lookup_siblings=false (SpeculativeEngine: a looked-up token's siblings keep their own ranks), for a paired τ.
+  # lookup_siblings=false (SpeculativeEngine: a looked-up token's siblings keep their own ranks), for a paired τ.
   stamp=$(date +%H%M%S)
   TD=${TREE_DIR:-$R}
   ready_target

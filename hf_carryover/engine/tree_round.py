@@ -28,8 +28,9 @@ class TreeRounds:
         replace the rank-0 chain's, and their siblings take the drafter's ranking without the looked-up token, so the
         drafter's own first choice stays among the alternatives (`tree.node_ranks`; not with `lookup_siblings=False`).
         One target forward verifies all nodes; the accepted path's K/V and target features are moved to the positions
-        after the anchor, so the caches end as after a linear verification of that path. `nodes` (a Python int): each row
-        verifies the `nodes` nodes of `tree` its drafter finds likeliest (`tree.select_tree`); None: all of `tree`.
+        after the anchor, so the caches end as after a linear verification of that path. `nodes` (a Python int):
+        each row verifies the `nodes` nodes of `tree` its drafter finds likeliest (`tree.select_tree`); None: all of
+        `tree`.
         No host sync, fixed shapes.
 
         do_sample (a Python bool): the target's token after each verified row is *drawn* from its distribution (at
