@@ -77,6 +77,18 @@ def _is_cuda(device) -> bool:
 MAX_LEN_ALIGN = 64
 
 
+def check_inductor_options(options: dict) -> None:
+    """Refuse a misspelt inductor option by name now, not at the first call's compile (minutes later, mid-call).
+    Shared by `SpeculativeEngine(compile_options=...)` and `Drafter.use_draft_tree(compile_options=...)`."""
+    import torch._inductor.config as inductor_config
+
+    try:
+        with inductor_config.patch(dict(options)):
+            pass
+    except AttributeError as e:
+        raise ValueError(f"compile_options: {e}") from None
+
+
 class SpeculativeEngine(TreeRounds):
     def __init__(self, target, drafter=None, max_len: int = 2048, profile: bool = False, cuda_graphs: bool = False,
                  compile: bool | str = False, lookup_skips_drafter: bool = True, compile_options: dict | None = None,
@@ -132,14 +144,8 @@ class SpeculativeEngine(TreeRounds):
             raise ValueError(f"compile_options={compile_options} are inductor options: they need compile=True "
                              f"(the inductor backend), not compile={compile!r}.")
         self.compile_options = dict(compile_options or {})
-        if self.compile_options:  # a misspelt option fails here, not at the first call's compile
-            import torch._inductor.config as inductor_config
-
-            try:
-                with inductor_config.patch(self.compile_options):
-                    pass
-            except AttributeError as e:
-                raise ValueError(f"compile_options: {e}") from None
+        if self.compile_options:
+            check_inductor_options(self.compile_options)
         self._compiled_round = self._compiled(self._round) if compile else None
         self._compiled_tree_round = None  # compiled on first use of a tree
         if compile:  # every engine and batch shape recompiles the round; past dynamo's limit (8) it would quietly
@@ -588,4 +594,5 @@ class SpeculativeEngine(TreeRounds):
         return (sum(acc) + len(acc)) / max(len(acc), 1)
 
 
-__all__ = ["DecodeState", "SpeculativeEngine", "inverse_cdf", "point_mass", "predicted_speedup", "running_mass"]
+__all__ = ["DecodeState", "SpeculativeEngine", "check_inductor_options", "inverse_cdf", "point_mass",
+           "predicted_speedup", "running_mass"]

@@ -192,6 +192,9 @@ class DrafterLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+_NEEDS_ENGINE = "draft trees in generate() run on hf_carryover's engine: pip install hf_carryover"  # use_draft_tree
+
+
 class Drafter(PreTrainedModel):
     """A block-parallel drafter for one target. Use `Drafter.from_target(target, ...)` to build one.
 
@@ -511,20 +514,18 @@ class Drafter(PreTrainedModel):
             raise ValueError(f"use_draft_tree(compile_options={compile_options}) sets options of the compiled tree "
                              "round: it needs compile=True.")
         if compile_options:  # a misspelt option fails here, not in the first generate() call's compile
-            import torch._inductor.config as inductor_config
-
             try:
-                with inductor_config.patch(dict(compile_options)):
-                    pass
-            except AttributeError as e:
-                raise ValueError(f"use_draft_tree(compile_options=...): {e}") from None
+                from hf_carryover.engine.engine import check_inductor_options
+            except ImportError as e:
+                raise ImportError(_NEEDS_ENGINE) from e
+            check_inductor_options(compile_options)
         if tree is None:
             self.draft_tree = None
             return self
         try:
             from hf_carryover.engine.tree import TreeSpec, fit_tree
         except ImportError as e:
-            raise ImportError("draft trees in generate() run on hf_carryover's engine: pip install hf_carryover") from e
+            raise ImportError(_NEEDS_ENGINE) from e
         from .generation_carryover import tree_hook_installed
 
         if not tree_hook_installed():
