@@ -118,9 +118,10 @@ class SpeculativeEngine(TreeRounds):
         compile_options: inductor options for the compiled rounds, on top of `combo_kernels=True` (e.g.
         {"freezing": True}: the weights are compiled in as constants, so inductor may merge the q/k/v and gate/up
         projections that read the same input into one GEMM each; on CPU that merge also needs
-        "cpp.enable_concat_linear"). With freezing the compiled rounds keep the weights they were compiled with (and
-        hold merged copies of the merged ones: more memory): build a new engine after changing them. Their tokens
-        are compared with eager decoding as for any compiled round (tested on CPU).
+        "cpp.enable_concat_linear"; on the H200 with torch 2.11 only gate/up merged, 8-10 % faster rounds,
+        examples/results/h200-2026-12-02d). With freezing the compiled rounds keep the weights they were compiled
+        with (and hold merged copies of the merged ones: more memory): build a new engine after changing them. Their
+        tokens are compared with eager decoding as for any compiled round (tested on CPU).
 
         lookup_skips_drafter=True (with context lookup): a round in which every unfinished row looks up runs without
         the drafter (its drafted block would be discarded anyway; output and rounds are the same either way, tested).
