@@ -380,6 +380,8 @@ def main():
         res = {"method": name, "dataset": dataset, "prompts": len(prompts), "temperature": T, **fn(prompts), **extra}
         if compile_options and name.startswith("engine"):
             res["compile_options"] = compile_options
+            # GEMMs merged so far by the engines' frozen-weight pass (hf_carryover/engine/fuse_projections.py)
+            res["fused_gemms"] = sum(e.fused_projections.fused for e in engines.values() if e.fused_projections)
         if load0 is not None:
             res["host_load"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
         return res

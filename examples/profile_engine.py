@@ -113,6 +113,8 @@ def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, loo
     eng.generate([prompts[0]], **kw)  # compile + capture
     torch.cuda.synchronize()
     res = {"mode": name, "compile_and_capture_s": time.perf_counter() - t0}
+    if eng.fused_projections is not None:  # GEMMs the engine's pass merged in this mode's compiled graphs
+        res["fused_gemms"] = eng.fused_projections.fused
     for p in prompts[1:]:  # the other prompts' width buckets (a captured row prefill each) outside the timing
         eng.generate([p], **kw)
     wall, acc, tokens = 0.0, [], 0

@@ -380,7 +380,8 @@ def test_frozen_compiled_round_merges_projections_and_equals_eager():
     projections and the gate/up projections that read the same input: 4 GEMMs per layer instead of 7 (the merge needs
     "cpp.enable_concat_linear" on CPU; inductor's check asks for it on CPU only, not run on CUDA here). Tokens and
     rounds stay the eager engine's in fp32. The generated code is read back (`run_and_get_code`), with inductor's
-    graph cache off so that a cached compile cannot hide it."""
+    graph cache off so that a cached compile cannot hide it. With the weights left unpacked, as on CUDA, the engine's
+    `FuseSharedInputMatmuls` pass does the merge (`fuse_projections.py`)."""
     from torch._inductor.utils import run_and_get_code
 
     target = build_target("llama", seed=5)
@@ -396,6 +397,21 @@ def test_frozen_compiled_round_merges_projections_and_equals_eager():
                       r"torch\.ops\.mkldnn\._linear_pointwise\.default)\(")
     layers = target.config.num_hidden_layers
     assert sum(len(gemm.findall(c)) for c in codes) == 4 * layers + 1  # + the LM head; unmerged: 7 per layer
+    # GEMMs as CUDA sees them: in float64 inductor leaves the weights unpacked, and without the CPU concat option its
+    # own pattern merges nothing, so the merges are the engine's pass's (`fuse_projections.py`): q with the narrower
+    # grouped-query k/v, and gate/up. A second target of the same shape: a frozen round must not serve it (dynamo
+    # reused the first engine's compiled round, weights and all, before engines with options had backends of their own)
+    other = build_target("llama", seed=6).double()
+    ref64 = SpeculativeEngine(other, None, max_len=96).generate(prompts, max_new_tokens=20)
+    cuda_like = SpeculativeEngine(other, None, max_len=96, compile=True, compile_options={
+        "freezing": True, "fx_graph_cache": False})
+    out, codes = run_and_get_code(lambda: cuda_like.generate(prompts, max_new_tokens=20))
+    assert out == ref64 != ref
+    assert cuda_like.fused_projections.fused == 3 * layers  # q/k/v: 3 -> 1, gate/up: 2 -> 1
+    assert sum(c.count("extern_kernels.mm(") for c in codes) == 4 * layers + 1
+    off = SpeculativeEngine(target, None, max_len=96, compile=True, compile_options={
+        "freezing": True, "post_grad_custom_pre_pass": None})  # the slot named: the engine adds no pass
+    assert off.fused_projections is None and cuda_like.compile_options == {"freezing": True, "fx_graph_cache": False}
     for bad in ({"compile": False}, {"compile": "aot_eager"}):  # inductor options without inductor: refused
         with pytest.raises(ValueError, match="inductor options"):
             SpeculativeEngine(target, None, max_len=96, compile_options={"freezing": True}, **bad)

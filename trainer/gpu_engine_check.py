@@ -110,6 +110,8 @@ def main():
                    "round, then captured): exactness against eager in fp32, tokens/s in bf16")
     p.add_argument("--compile_backend", default="inductor", help="torch.compile backend of --compile ('aot_eager': "
                    "the same tracing without inductor's code generation; the CPU test's quick form)")
+    p.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE", help="with --compile (inductor): "
+                   "options of the compiled engine, e.g. freezing=True, as benchmark.py --inductor passes them")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
                    help="order of the passes (put bf16 first when its timings matter most in a time box)")
     p.add_argument("--kinds", nargs="+", default=["ar", "dflash"], choices=["ar", "dflash"],
@@ -137,9 +139,13 @@ def main():
         p.error("--target and --prompts_dir go together (random token prompts mean nothing to a real target)")
     if args.tiny and args.target:
         p.error("--tiny shrinks the random target; it does not apply to --target")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from benchmark import parse_inductor_options
+    compile_options = parse_inductor_options(args.inductor) or None
+    if compile_options and (not args.compile or args.compile_backend != "inductor"):
+        p.error("--inductor sets options of the inductor-compiled engine: it needs --compile (backend inductor)")
     real = None
     if args.prompts_dir:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
         from evaluate_tau import load_prompts, load_target
         real = [r["input_ids"] for r in load_prompts(args.prompts_dir, args.dataset, None)]
         if len(real) < 2 * max(args.batch_sizes):
@@ -149,7 +155,8 @@ def main():
     res = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else args.device,
            "torch": torch.__version__, "transformers": transformers.__version__,
            "commit": os.environ.get("HF_CARRYOVER_COMMIT", "unknown"), "tiny": args.tiny,
-           "max_new_tokens": max_new, "target": args.target or "random SmolLM2-shaped",
+           "compile_options": args.inductor, "max_new_tokens": max_new,
+           "target": args.target or "random SmolLM2-shaped",
            "drafter": args.drafter or "random dflash (Carryover on)",
            "prompts": f"{args.prompts_dir}/{args.dataset}" if real else "random tokens", "lookup": args.lookup,
            "deterministic": args.deterministic, "continuous": args.continuous,
@@ -171,7 +178,7 @@ def main():
             out["eager_skip"] = SpeculativeEngine(target, drafter, max_len=max_len)
         if args.compile:
             out["graph_compile"] = SpeculativeEngine(target, drafter, max_len=max_len, cuda_graphs=True,
-                                                   compile=args.compile_backend)
+                                                   compile=args.compile_backend, compile_options=compile_options)
         return out
 
     for dtype_name in args.dtypes:

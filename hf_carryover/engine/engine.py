@@ -38,6 +38,7 @@ import warnings
 import torch
 
 from ..generation_carryover import accepted_as_generate_counts, batched_context_lookup, eos_tensor
+from .fuse_projections import FuseSharedInputMatmuls
 from .graphs import capture_round
 from .refill import RowPrefill
 from .sampling import inverse_cdf, point_mass, running_mass
@@ -116,12 +117,14 @@ class SpeculativeEngine(TreeRounds):
         so it is the quick way to debug a compile problem, and what most of the CPU tests use.
 
         compile_options: inductor options for the compiled rounds, on top of `combo_kernels=True` (e.g.
-        {"freezing": True}: the weights are compiled in as constants, so inductor may merge the q/k/v and gate/up
-        projections that read the same input into one GEMM each; on CPU that merge also needs
-        "cpp.enable_concat_linear"; on the H200 with torch 2.11 only gate/up merged, 8-10 % faster rounds,
-        examples/results/h200-2026-12-02d). With freezing the compiled rounds keep the weights they were compiled
-        with (and hold merged copies of the merged ones: more memory): build a new engine after changing them. Their
-        tokens are compared with eager decoding as for any compiled round (tested on CPU).
+        {"freezing": True}: the weights are compiled in as constants, so projections that read the same input can
+        be merged into one GEMM. Inductor's own pattern merges only equal widths (on the H200 with torch 2.11 it
+        merged gate/up, 8-10 % faster rounds, examples/results/h200-2026-12-02d), so the engine adds its pass
+        `fuse_projections.FuseSharedInputMatmuls` (`self.fused_projections`), which merges q/k/v of grouped-query
+        attention too; naming "post_grad_custom_pre_pass" in the options replaces it (None: off). On CPU inductor
+        packs the weights for oneDNN instead, and merges them itself with "cpp.enable_concat_linear". With freezing
+        the compiled rounds keep the weights they were compiled with (the merged ones as copies): build a new engine
+        after changing them. Their tokens are compared with eager decoding as for any compiled round (tested on CPU).
 
         lookup_skips_drafter=True (with context lookup): a round in which every unfinished row looks up runs without
         the drafter (its drafted block would be discarded anyway; output and rounds are the same either way, tested).
@@ -147,6 +150,13 @@ class SpeculativeEngine(TreeRounds):
         self.compile_options = dict(compile_options or {})
         if self.compile_options:
             check_inductor_options(self.compile_options)
+        # with frozen weights, q/k/v (and any projections sharing an input) become one GEMM whatever their widths
+        # (`fuse_projections.py`); `compile_options` that set the slot themselves (None: off) keep their choice
+        self.fused_projections = None
+        self._inductor_patch = dict(self.compile_options)  # what `_compiled` sets: the options, and the pass
+        if self.compile_options.get("freezing") and "post_grad_custom_pre_pass" not in self.compile_options:
+            self.fused_projections = FuseSharedInputMatmuls()
+            self._inductor_patch["post_grad_custom_pre_pass"] = self.fused_projections
         self._compiled_round = self._compiled(self._round) if compile else None
         self._compiled_tree_round = None  # compiled on first use of a tree
         if compile:  # every engine and batch shape recompiles the round; past dynamo's limit (8) it would quietly
@@ -533,18 +543,26 @@ class SpeculativeEngine(TreeRounds):
         # preparation kernels) as one. A captured plain decoding step of the 135M target went from 635 kernels and
         # 1.69 ms to 412 and 1.35 ms on the H200 (examples/profile_engine.py, examples/results/h200-2026-12-02b); at
         # batch 1 the step is launch-bound, so fewer kernels is most of the speed
-        opts = {"combo_kernels": True} if self._compile_backend == "inductor" else None
-        compiled = torch.compile(fn, dynamic=False, backend=self._compile_backend, options=opts)
+        if self._compile_backend != "inductor":
+            return torch.compile(fn, dynamic=False, backend=self._compile_backend)
+        combo = {"combo_kernels": True}
         if not self.compile_options:
-            return compiled
-        # the other options patch inductor's global config around the call (a compile happens inside the first one):
-        # passed as torch.compile options, `freezing` ran its compiler but neither packed nor merged the weights (CPU,
-        # torch 2.13), while set globally it did both
+            return torch.compile(fn, dynamic=False, backend="inductor", options=combo)
+        # with options, a backend of this engine's own. Dynamo keeps compiled code per code object (`_round` is
+        # shared by every engine) and reuses it for any backend that compares equal, as `torch.compile` backends with
+        # equal options do: a frozen round (its weights baked in) served later engines, other weights and other
+        # options alike (tested). The options patch inductor's global config around each call (the compile happens
+        # inside the first): passed as compile options, `freezing` neither packed nor merged weights (CPU, torch 2.13)
         import torch._inductor.config as inductor_config
+        from torch._inductor.compile_fx import compile_fx
+
+        def backend(gm, example_inputs):
+            return compile_fx(gm, example_inputs, config_patches=combo)
+        compiled = torch.compile(fn, dynamic=False, backend=backend)
 
         @functools.wraps(fn)
         def run(*args, **kwargs):
-            with inductor_config.patch(self.compile_options):
+            with inductor_config.patch(self._inductor_patch):
                 return compiled(*args, **kwargs)
         return run
 

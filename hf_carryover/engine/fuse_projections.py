@@ -1,0 +1,93 @@
+"""One GEMM for the projections that read the same input, in frozen compiled rounds.
+
+Why: at batch 1 a target step is launch-bound; each decoder layer's q, k and v projections are three small GEMMs
+of the same normalised hidden states. Inductor's own freezing pattern merges such GEMMs only when their weights have
+equal shapes (torch 2.11 on the H200), which grouped-query k/v never have next to q: on the H200 freezing merged
+gate/up and left q/k/v as 90 of a plain step's 182 GEMMs (examples/results/h200-2026-12-02d).
+
+`FuseSharedInputMatmuls` is an inductor post-grad pass. With `freezing=True` the weights are graph constants
+(`get_attr` nodes), so every `mm(x, W_i)` with the same `x` and constant `W_i [in, out_i]` becomes one
+`mm(x, W_cat)` with `W_cat = cat(W_i, dim=1)` computed once at compile time, followed by column slices. It is
+generic: any target or drafter whose projections share an input, whatever their widths. Without freezing the
+weights are graph inputs, not constants, and the pass changes nothing (a per-step `cat` would cost more than it
+saves). `SpeculativeEngine` installs it with `freezing=True` unless `compile_options` name the slot themselves.
+"""
+from __future__ import annotations
+
+import torch
+
+try:  # a CustomGraphPass with a uuid keeps inductor's FX graph cache usable
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+except ImportError:  # pragma: no cover  (older torch: a plain callable also works, without the cache)
+    CustomGraphPass, get_hash_for_files = object, None
+
+
+def _constant(node) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "get_attr"
+
+
+class FuseSharedInputMatmuls(CustomGraphPass):
+    """Merge `aten.mm(x, W_i)` nodes that share `x` and have constant 2-D weights with the same input width.
+    `self.fused` counts the GEMMs removed over every graph the pass has seen (tests and profiles read it)."""
+
+    def __init__(self):
+        self.fused = 0
+
+    def uuid(self):
+        return get_hash_for_files((__file__,)) if get_hash_for_files is not None else None
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        gm = graph.owning_module
+        if gm is None:
+            return
+        mm = torch.ops.aten.mm.default
+        groups: dict = {}  # (x node, in width, dtype, device) -> mm nodes in graph order
+        for node in graph.nodes:
+            if node.op != "call_function" or node.target is not mm or node.kwargs:
+                continue
+            x, w = node.args
+            if _constant(x) or not _constant(w) or "." in w.target or "val" not in w.meta or "val" not in x.meta:
+                continue
+            wv = w.meta["val"]
+            if wv.dim() != 2:
+                continue
+            groups.setdefault((x, wv.shape[0], wv.dtype, wv.device), []).append(node)
+        for (x, _, _, _), nodes in groups.items():
+            if len(nodes) > 1:
+                self._fuse(gm, graph, x, nodes)
+                self.fused += len(nodes) - 1
+        graph.lint()
+
+    @staticmethod
+    def _fuse(gm, graph, x, nodes) -> None:
+        weights = [n.args[1] for n in nodes]
+        # the constants are [in, out_i] views of [out_i, in] weights; concatenate the stored rows and view the result
+        # the same way, so the merged GEMM reads memory in the layout the separate ones did
+        w_cat = torch.cat([getattr(gm, w.target).t() for w in weights], 0).t()  # [in, sum(out_i)]
+        name = f"_fused_{weights[0].target}"
+        gm.register_buffer(name, w_cat)
+        fake_mode = x.meta["val"].fake_mode
+        widths = [w.meta["val"].shape[1] for w in weights]
+        first = nodes[0]
+        with graph.inserting_before(first):
+            w_node = graph.get_attr(name)
+            w_node.meta["val"] = fake_mode.from_tensor(w_cat)
+            fused = graph.call_function(torch.ops.aten.mm.default, (x, w_node))
+            with fake_mode:
+                fused.meta["val"] = torch.ops.aten.mm.default(x.meta["val"], w_node.meta["val"])
+            start = 0
+            for node, width in zip(nodes, widths):
+                part = graph.call_function(torch.ops.aten.slice.Tensor, (fused, 1, start, start + width))
+                with fake_mode:
+                    part.meta["val"] = torch.ops.aten.slice.Tensor(fused.meta["val"], 1, start, start + width)
+                node.replace_all_uses_with(part)
+                start += width
+        for node, w in zip(nodes, weights):
+            graph.erase_node(node)
+            if not w.users:  # the separate constant is dead: free its memory
+                graph.erase_node(w)
+                if hasattr(gm, w.target):
+                    delattr(gm, w.target)
+
+
+__all__ = ["FuseSharedInputMatmuls"]
