@@ -11,6 +11,8 @@ gate/up and left q/k/v as 90 of a plain step's 182 GEMMs (examples/results/h200-
 generic: any target or drafter whose projections share an input, whatever their widths. Without freezing the
 weights are graph inputs, not constants, and the pass changes nothing (a per-step `cat` would cost more than it
 saves). `SpeculativeEngine` installs it with `freezing=True` unless `compile_options` name the slot themselves.
+On the H200 it took a plain step of the 135M target from 182 GEMMs and 1.254 ms to 122 and 1.051 ms, and a 31-node
+tree round with lookup from 1.986 to 1.802 ms (examples/results/h200-2026-12-02e).
 """
 from __future__ import annotations
 
