@@ -287,6 +287,19 @@ def test_gpu_engine_check_trained_drafter_real_prompts_cpu(tmp_path):
     for row in summary["rows"]:
         assert row["eager_continuous_exact"] and row["graph_continuous_exact"], row
     assert summary["drafter"].endswith("drafter") and summary["prompts"].endswith("toy")
+    # --tree: the dflash engines verify a draft tree (5 of its nodes a round) with lookup; the same checks hold
+    (tmp_path / "tree.json").write_text(json.dumps({"paths": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]}))
+    cmd_t = cmd[:cmd.index("--batch_sizes")] + ["--kinds", "dflash", "--batch_sizes", "1", "2", "--max_new_tokens",
+                                                "12", "--lookup", "3", "--tree", str(tmp_path / "tree.json"),
+                                                "--tree_nodes", "5", "--continuous", "--out", str(out)]
+    res = subprocess.run(cmd_t, env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    summary = json.loads(out.read_text())
+    assert summary["all_exact"] and summary["tree_nodes"] == 5 and summary["tree"].endswith("tree.json"), summary
+    assert [(r["method"], r["batch"]) for r in summary["rows"]] == [("dflash", 1), ("dflash", 2)]
+    assert summary["rows"][0]["plain_greedy_exact"] and summary["rows"][0]["tau"] > 1.5
+    for row in summary["rows"]:
+        assert row["eager_continuous_exact"] and row["graph_sampled_same_tokens"], row
     res = subprocess.run(cmd[:3] + cmd[5:], env=env, capture_output=True, text=True, cwd=tmp_path)  # no --target
     assert res.returncode != 0 and "--drafter needs --target" in res.stderr
 

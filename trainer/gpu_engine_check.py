@@ -19,6 +19,8 @@ the eager engine's tokens are also compared with plain greedy `target.generate` 
 With --lookup N every engine call uses context lookup (prompt_lookup_num_tokens=N); the eager reference engine then
 drafts in every round (`lookup_skips_drafter=False`) while the graph engines skip the drafter in rounds where every
 row looks up (their own captured variant), so exactness also covers that variant (`skipped_drafts` counts them).
+With --tree FILE (and --tree_nodes N) every dflash call verifies that draft tree instead of the linear block, so the
+same comparisons cover tree rounds (greedy and sampled; plain AR rows are unchanged).
 With --continuous, every engine (the eager one too) also decodes both prompt sets in one call through b rows
 (continuous batching: a finished row is refilled with the next prompt, `refill.py`; captured refills on the graph
 engines) and must give each prompt the tokens and rounds of the fp32 static reference (`<engine>_continuous_exact`).
@@ -44,6 +46,7 @@ from gpu_check import smollm2_shaped  # noqa: E402
 
 from hf_carryover import Drafter  # noqa: E402
 from hf_carryover.engine.engine import SpeculativeEngine  # noqa: E402
+from hf_carryover.engine.tree import TreeSpec  # noqa: E402
 
 TINY = dict(vocab_size=128, hidden_size=48, intermediate_size=96, num_hidden_layers=6, num_attention_heads=3,
             num_key_value_heads=1, head_dim=16)  # SmolLM2's 3:1 GQA, a few layers
@@ -125,6 +128,9 @@ def main():
                    "two prompt sets from")
     p.add_argument("--dataset", default="mtbench", help="the prompt file of --prompts_dir")
     p.add_argument("--lookup", type=int, default=None, help="context lookup of up to N tokens in every engine call")
+    p.add_argument("--tree", default=None, help="kind dflash: every engine call verifies this draft tree (a JSON file "
+                   "with 'paths', e.g. a drafter folder's draft_tree.json) instead of the linear block")
+    p.add_argument("--tree_nodes", type=int, default=None, help="with --tree: the N likeliest nodes a round (dynamic)")
     p.add_argument("--continuous", action="store_true", help="fp32 rows: continuous batching (both prompt sets through "
                    "b rows, refilled) against the static reference, per engine")
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True, "
@@ -133,6 +139,10 @@ def main():
     if args.deterministic:  # before the first cuBLAS handle is made (CUDA initialises lazily)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
+    if args.tree_nodes and not args.tree:
+        p.error("--tree_nodes chooses nodes of --tree: give the tree too")
+    if args.tree and "dflash" not in args.kinds:
+        p.error("--tree applies to kind dflash (a drafter proposes the tree's ranks): add it to --kinds")
     if args.drafter and not args.target:
         p.error("--drafter needs --target: a trained drafter is bound to the target it was trained for")
     if bool(args.target) != bool(args.prompts_dir):
@@ -159,9 +169,11 @@ def main():
            "target": args.target or "random SmolLM2-shaped",
            "drafter": args.drafter or "random dflash (Carryover on)",
            "prompts": f"{args.prompts_dir}/{args.dataset}" if real else "random tokens", "lookup": args.lookup,
+           "tree": args.tree, "tree_nodes": args.tree_nodes,
            "deterministic": args.deterministic, "continuous": args.continuous,
            "rows": []}
-    lk = {"prompt_lookup_num_tokens": args.lookup} if args.lookup else {}  # every engine call
+    lk0 = {"prompt_lookup_num_tokens": args.lookup} if args.lookup else {}  # every engine call
+    tree = TreeSpec.load(args.tree) if args.tree else None  # every dflash call (`lk` below)
 
     def record(row):
         res["rows"].append(row)
@@ -171,7 +183,7 @@ def main():
     def engines(target, kind):
         drafter = check_drafter(target, args.drafter, args.device) if kind == "dflash" else None
         longest = max(len(x) for x in real) if real else (240 if args.lookup else 80)
-        max_len = longest + max_new + 2 * 16
+        max_len = longest + max_new + 2 * 16 + (tree.num_nodes if tree is not None else 0)  # a round's tree rows
         out = {"eager": SpeculativeEngine(target, drafter, max_len=max_len, lookup_skips_drafter=False),
                "graph": SpeculativeEngine(target, drafter, max_len=max_len, cuda_graphs=True)}
         if args.lookup:  # the eager engine skipping the drafter where every row looks up, against drafting always
@@ -193,6 +205,8 @@ def main():
             continue
         eos = target.config.eos_token_id
         for kind in args.kinds:
+            lk = {**lk0, **({"tree": tree, "tree_nodes": args.tree_nodes} if tree is not None and kind == "dflash"
+                            else {})}
             for b in args.batch_sizes:
                 row = {"dtype": dtype_name, "method": kind, "batch": b}
                 try:
