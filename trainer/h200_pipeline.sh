@@ -574,7 +574,8 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
   # "engprofile" splits a captured engine round's (examples/profile_engine.py, PROFILE_* below); the job
   # "check" runs the fp32 exactness check of compiled rounds (CHECK_SECONDS, CHECK_KINDS, CHECK_BATCHES, CHECK_LOOKUP,
   # CHECK_DETERMINISTIC=1, CHECK_CONTINUOUS=1: continuous batching against static too, CHECK_COMPILE=0: graph
-  # engines without the compiled one, CHECK_INDUCTOR="freezing=True": the compiled engine's inductor options): a random drafter, or with CHECK_DRAFTER=NAME a trained one on the real target, also
+  # engines without the compiled one, CHECK_INDUCTOR="freezing=True": the compiled engine's inductor options,
+  # CHECK_TREE=N with CHECK_DRAFTER: its draft_tree.json, N nodes a round): a random drafter, or with CHECK_DRAFTER=NAME a trained one on the real target, also
   # against plain greedy decoding. The job
   # "gencheck" checks generate()'s static rounds (trainer/gpu_generate_check.py, GENCHECK_* below). The job
   # "replaydiff" compares eager and replayed rounds round by round (trainer/gpu_replay_diff.py, REPLAY_* below).
@@ -591,7 +592,8 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
       CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${CHECK_SECONDS:-200} $(pin $1) python3 trainer/gpu_engine_check.py $([ "${CHECK_COMPILE:-1}" = 0 ] || echo --compile) --dtypes fp32 \
         --kinds ${CHECK_KINDS:-dflash} --batch_sizes ${CHECK_BATCHES:-1} $T ${CHECK_LOOKUP:+--lookup $CHECK_LOOKUP} \
         ${CHECK_DETERMINISTIC:+--deterministic} ${CHECK_CONTINUOUS:+--continuous} \
-        ${CHECK_INDUCTOR:+--inductor $CHECK_INDUCTOR} --out $R/${stamp}_engine_check_fp32.json \
+        ${CHECK_INDUCTOR:+--inductor $CHECK_INDUCTOR} ${CHECK_TREE:+--tree ${f:?CHECK_TREE needs CHECK_DRAFTER}/draft_tree.json \
+        --tree_nodes $CHECK_TREE} --out $R/${stamp}_engine_check_fp32.json \
         > "$L/check_$stamp.log" 2>&1 || log "engine check stopped: $?"
       flush; return
     fi
