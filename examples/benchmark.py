@@ -174,6 +174,9 @@ def parse_inductor_options(pairs) -> dict:
     return opts
 
 
+_WARNED_PARTIAL: set = set()  # (prompts, batch) already warned about a partial last static batch
+
+
 def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=None, skip_drafter=True, tree=None,
                tree_nodes=None, continuous=False):
     """One engine per (target, drafter) serves every dataset and batch size of a run, so a shape is captured and
@@ -213,6 +216,16 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
            "mode": " | ".join(dict.fromkeys(modes))}  # one mode unless some batch shapes could not be captured
     if lookup:
         res.update(lookup=lookup, lookup_round_share=looked / max(len(acc), 1), drafter_skipped_rounds=skipped)
+    if not continuous and len(prompts) % batch:
+        # a last batch of fewer rows costs AR nearly a full batch's steps for fewer tokens, while speculative rows
+        # shorten it as at batch 1: the ratio over AR reads high (12-02c's 10 prompts at batch 8: 2.02x against
+        # 1.27x on two full batches, examples/results/h200-2026-12-02e)
+        res["partial_batch_rows"] = len(prompts) % batch
+        if (len(prompts), batch) not in _WARNED_PARTIAL:
+            _WARNED_PARTIAL.add((len(prompts), batch))
+            print(f"warning: {len(prompts)} prompts in static batches of {batch} leave a last batch of "
+                  f"{len(prompts) % batch} rows, which flatters speculative rows against AR; use a multiple of "
+                  f"{batch} (--limit)", file=sys.stderr)
     if engine.profile and engine.timing["rounds"]:
         n = engine.timing["rounds"]
         res["per_round_s"] = {p: engine.timing[p] / n for p in ("draft", "verify", "other")}

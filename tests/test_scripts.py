@@ -360,16 +360,19 @@ def test_benchmark_continuous_rows(tmp_path):
                                                    + "\n" for i in range(5)))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "out"
-    subprocess.run([sys.executable, str(ROOT / "examples" / "benchmark.py"), "--target", "tiny", "--drafters",
-                    f"m={tmp_path / 'drafter'}", "--datasets", "mtbench", "--prompts_dir", str(prompts),
-                    "--max_new_tokens", "9", "--methods", "engine_ar", "engine", "engine_lookup", "--lookup", "3",
-                    "--batch_sizes", "2", "--batching", "static", "continuous", "--out", str(out)], check=True,
-                   env=env, capture_output=True, cwd=tmp_path)
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "benchmark.py"), "--target", "tiny", "--drafters",
+                          f"m={tmp_path / 'drafter'}", "--datasets", "mtbench", "--prompts_dir", str(prompts),
+                          "--max_new_tokens", "9", "--methods", "engine_ar", "engine", "engine_lookup", "--lookup", "3",
+                          "--batch_sizes", "2", "--batching", "static", "continuous", "--out", str(out)], check=True,
+                         env=env, capture_output=True, text=True, cwd=tmp_path)
     summary = json.loads((out / "bench.json").read_text())
     assert summary["batching"] == ["static", "continuous"]
     by = {r["method"]: r for r in summary["results"]}
     static = {"engine_ar@2", "engine:m@2", "engine_lookup:m@2"}
     assert set(by) == static | {m + "c" for m in static}
+    # 5 prompts in static batches of 2: the partial last batch is recorded and warned about once; continuous has none
+    assert all(by[m]["partial_batch_rows"] == 1 and "partial_batch_rows" not in by[m + "c"] for m in static)
+    assert run.stderr.count("leave a last batch of 1 rows") == 1
     for m in static:
         assert (by[m + "c"]["tokens"], by[m + "c"]["tau"]) == (by[m]["tokens"], by[m]["tau"]), m
     table = bench_table([out / "bench_raw.jsonl"]).splitlines()
