@@ -571,6 +571,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
   # override the defaults below (e.g. --compile, --limit 32 --batch_sizes 1 2 4 8 16, --temperature 1) and an optional
   # fifth field, the job's time box in seconds (default ENGINE_BOX). The job
   # "profile" splits a generate() round's time on the GPU (examples/profile_generate.py --device cuda); the job
+  # "attnbench" times one layer's attention per way of calling it (trainer/gpu_attention_bench.py); the job
   # "engprofile" splits a captured engine round's (examples/profile_engine.py, PROFILE_* below); the job
   # "check" runs the fp32 exactness check of compiled rounds (CHECK_SECONDS, CHECK_KINDS, CHECK_BATCHES, CHECK_LOOKUP,
   # CHECK_DETERMINISTIC=1, CHECK_CONTINUOUS=1: continuous batching against static too, CHECK_COMPILE=0: graph
@@ -598,6 +599,13 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
       flush; return
     fi
     if [ "$3" = profile ]; then profile_job $1 $stamp; flush; return; fi
+    if [ "$3" = attnbench ]; then  # trainer/gpu_attention_bench.py: one layer's attention per way of calling it, at the
+      # reference target's shapes, compiled and captured (ATTN_ARGS added, ATTN_SECONDS)
+      CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${ATTN_SECONDS:-120} $(pin $1) python3 trainer/gpu_attention_bench.py \
+        ${ATTN_ARGS:-} --out $R/${stamp}_attention_bench.json > "$L/attnbench_$stamp.log" 2>&1 \
+        || log "attention bench stopped: $?"
+      flush; return
+    fi
     if [ "$3" = engprofile ]; then  # examples/profile_engine.py: where a captured round's time goes (batch 1, bf16),
       # PROFILE_DRAFTER (default dflash-carryover-gated) with its draft_tree.json, once per PROFILE_INDUCTOR variant
       # (';'-separated inductor option lists, "-" for none), modes PROFILE_MODES, PROFILE_ARGS added
