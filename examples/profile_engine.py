@@ -93,6 +93,7 @@ def kernel_profile(fn, n: int) -> dict:
 
 def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, lookup=None, parts=False) -> dict:
     """One mode's figures (module docstring); `save(res)` stores what is measured so far."""
+    from hf_carryover.engine.attention import engine_attention
     from hf_carryover.engine.engine import SpeculativeEngine
 
     longest = max(len(p) for p in prompts)
@@ -135,7 +136,8 @@ def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, loo
         toks = torch.tensor([p], device=st.anchor.device)
         pos = eng._steps[: len(p)][None]
         pre.append(replay_ms(lambda: row_prefill(0, p), 3))
-        eager.append(replay_ms(lambda: eng._target_forward(st.cache, toks, pos), 3))
+        with engine_attention(eng.target):  # the target's attention as the engine's calls run it
+            eager.append(replay_ms(lambda: eng._target_forward(st.cache, toks, pos), 3))
     graphs = [g for g in eng._graphs.values() if isinstance(g, torch.cuda.CUDAGraph)]
     res.update(last_mode=eng.last_mode, prompts=len(prompts), tokens=tokens, rounds=len(acc),
                tau=(sum(acc) + len(acc)) / len(acc), tok_per_s=tokens / wall,
@@ -158,6 +160,7 @@ def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, loo
 def part_times(args, eng, st, tree) -> dict:
     """The drafter's block forward and the target's forward over 1 and over N+1 rows, each compiled and captured
     alone on the engine's state (their writes land at or past the finished rows' anchors: masked, as in the engine)."""
+    from hf_carryover.engine.attention import engine_attention
     from hf_carryover.engine.graphs import capture_round
 
     n = (tree.num_nodes if args.tree_nodes is None else args.tree_nodes) + 1 if tree is not None else st.k + 1
@@ -174,7 +177,8 @@ def part_times(args, eng, st, tree) -> dict:
     }
     out = {}
     for name, fn in fns.items():
-        g = capture_round(fn, st.tensors() + st.cache.k + st.cache.v)
+        with engine_attention(eng.target):  # compiled and captured with the attention the engine's rounds use
+            g = capture_round(fn, st.tensors() + st.cache.k + st.cache.v)
         out[name] = {"gpu_ms": replay_ms(g.replay, args.replays), "kernels": kernel_profile(g.replay, 5)["total"]}
     return out
 

@@ -375,6 +375,61 @@ def test_engine_decodes_in_eval_mode_and_leaves_the_callers_modes():
     assert drafter.training and not drafter.fc.training
 
 
+def test_engine_attention_keeps_gqa_in_sdpa_and_restores_the_targets_choice():
+    """While the engine decodes, an "sdpa" target attends through `gqa_sdpa_attention` (SDPA with grouped K/V heads,
+    no repeated copies), with plain greedy decoding's tokens; afterwards, also after an error inside the call, the
+    target is on "sdpa" again. An "eager" target is switched too (eager attention adds a boolean mask as 0/1) and
+    restored; a flash-attention target is refused by name."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from hf_carryover.engine import attention as attn
+
+    # the function itself: transformers' SDPA result for a bool mask with grouped heads, and its fallback otherwise
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, n, 8, generator=g, dtype=torch.float64) for h, n in ((4, 5), (2, 11), (2, 11)))
+    mask = torch.rand(2, 1, 5, 11, generator=g) < 0.7
+    mask[..., 0] = True  # every query row sees a key
+    module = type("Attn", (), {"num_key_value_groups": 2, "training": False})()
+    ours, _ = attn.gqa_sdpa_attention(module, q, k, v, mask, scaling=0.3)
+    ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
+    assert ours.shape == ref.shape == (2, 5, 4, 8) and torch.allclose(ours, ref, atol=1e-12)
+
+    target = build_target("llama", seed=5)
+    assert target.config._attn_implementation == "sdpa"
+    drafter = build_drafter(target, "dflash", True)
+    prompts = [[5, 9, 3, 7], [11, 4]]
+    ref_tokens = _greedy_refs(target, prompts, 12)
+    seen = []
+    real = AttentionInterface._global_mapping[attn.ATTENTION]
+
+    def spy(module, *a, **kw):
+        seen.append(module.config._attn_implementation)
+        return real(module, *a, **kw)
+
+    AttentionInterface._global_mapping[attn.ATTENTION] = spy
+    try:
+        eng = SpeculativeEngine(target, drafter, max_len=64)
+        assert eng.generate(prompts, max_new_tokens=12) == ref_tokens
+        assert seen and set(seen) == {attn.ATTENTION}
+        assert target.config._attn_implementation == "sdpa"
+        with pytest.raises(ValueError, match="max_len"):  # raised inside the call: the target is restored
+            eng.generate([list(range(1, 60))], max_new_tokens=12)
+        assert target.config._attn_implementation == "sdpa"
+
+        eager = build_target("llama", seed=5)
+        eager.config._attn_implementation = "eager"
+        n = len(seen)
+        assert SpeculativeEngine(eager, None, max_len=64).generate(prompts, max_new_tokens=12) == _greedy_refs(
+            eager, prompts, 12)
+        assert len(seen) > n and eager.config._attn_implementation == "eager"  # eager would add the bool mask
+        eager.config._attn_implementation = "flash_attention_2"
+        with pytest.raises(ValueError, match="attn_implementation='flash_attention_2'"):
+            SpeculativeEngine(eager, None, max_len=64)
+    finally:
+        AttentionInterface._global_mapping[attn.ATTENTION] = real
+
+
 def test_frozen_compiled_round_merges_projections_and_equals_eager():
     """compile_options={"freezing": True} compiles the weights in as constants, and inductor then merges the q/k/v
     projections and the gate/up projections that read the same input: 4 GEMMs per layer instead of 7 (the merge needs

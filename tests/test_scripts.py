@@ -683,6 +683,23 @@ def test_replay_diff_finds_where_runs_part():
     assert other["first_fwd_block_round"] is not None and "first_forward_diff" in other
 
 
+def test_attention_bench_variants_compute_the_same_attention(tmp_path):
+    """trainer/gpu_attention_bench.py (eager, CPU): every way of calling one layer's attention, the window over the
+    first keys included, gives the float64 reference's result, and windows too short for the mask are skipped."""
+    sys.path.insert(0, str(ROOT / "trainer"))
+    import gpu_attention_bench
+
+    out = tmp_path / "attn.json"
+    res = gpu_attention_bench.main(["--device", "cpu", "--dtype", "float32", "--keys", "128", "--queries", "1", "4",
+                                    "--valid", "40", "--variants", "hf", "hf_math", "gqa", "flex", "window64",
+                                    "window32", "--layers", "2", "--replays", "1", "--no_compile", "--out", str(out)])
+    rows = res["rows"]
+    assert json.loads(out.read_text())["rows"] == rows
+    assert {(r["variant"], r["q_rows"]) for r in rows} == {(v, q) for v in ("hf", "hf_math", "gqa", "flex", "window64")
+                                                          for q in (1, 4)}
+    assert all("error" not in r and r["max_abs_err"] < 1e-5 and r["us_per_layer"] > 0 for r in rows), rows
+
+
 def test_data_stats_valid_row_share(tmp_path):
     """examples/data_stats.py: the expected share of real proposal rows equals a hand count and the mean over many
     draws of the objectives' own `sample_anchors` + `block_targets`."""

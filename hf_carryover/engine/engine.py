@@ -38,6 +38,7 @@ import warnings
 import torch
 
 from ..generation_carryover import accepted_as_generate_counts, batched_context_lookup, eos_tensor
+from .attention import check_attention, engine_attention
 from .fuse_projections import FuseSharedInputMatmuls
 from .graphs import capture_round
 from .refill import RowPrefill
@@ -49,10 +50,11 @@ from .tree import check_tree
 from .tree_round import TreeRounds
 
 
-def _in_eval_mode(method):
-    """Decoding runs the target and drafter in eval mode (no dropout), and the caller's models get their own modes
-    back afterwards, submodule by submodule: building or running an engine (generate()'s tree path does both) leaves
-    the models as it found them, as transformers' generate() does (it never switches modes)."""
+def _decoding(method):
+    """Decoding runs the target and drafter in eval mode (no dropout) and the target on the engine's attention
+    function (`attention.py`: GQA inside SDPA, no K/V copies), and the caller's models get their own modes and
+    attention back afterwards, submodule by submodule: building or running an engine (generate()'s tree path does
+    both) leaves the models as it found them, as transformers' generate() does (it never switches modes)."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
         models = [m for m in (self.target, self.drafter) if m is not None]
@@ -60,7 +62,8 @@ def _in_eval_mode(method):
         for m in models:
             m.eval()
         try:
-            return method(self, *args, **kwargs)
+            with engine_attention(self.target):
+                return method(self, *args, **kwargs)
         finally:
             for sub, training in modes:
                 sub.training = training
@@ -166,8 +169,9 @@ class SpeculativeEngine(TreeRounds):
         self.cuda_graphs = cuda_graphs
         self.last_mode: str | None = None
         self.timing = {"draft": 0.0, "verify": 0.0, "other": 0.0, "rounds": 0}
-        self.target = target  # eval mode while decoding only (`_in_eval_mode`)
+        self.target = target  # eval mode while decoding only (`_decoding`)
         self.drafter = drafter
+        check_attention(target)  # flash / flex targets cannot take the rounds' 4D mask: refused now, by name
         if drafter is not None:
             drafter.bind_target(target)
         # the caches and every round's 4D mask span max_len keys: rounded up to a multiple of MAX_LEN_ALIGN so the
@@ -392,7 +396,7 @@ class SpeculativeEngine(TreeRounds):
 
     # ------------------------------------------------------------------ loop
     @torch.no_grad()
-    @_in_eval_mode
+    @_decoding
     def generate(self, prompts, max_new_tokens=256, do_sample=False, temperature=1.0, eos_token_id=None, seed=0,
                  prompt_lookup_num_tokens=None, tree=None, tree_nodes=None, batch_size=None):
         """prompts: list of token-id lists. Returns a list of generated token lists (prompt excluded), in prompt order.

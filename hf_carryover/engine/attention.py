@@ -1,0 +1,84 @@
+"""The target's attention while the engine decodes: SDPA with grouped-query heads left to the kernel.
+
+Why: the engine hands the target a boolean 4D mask over its whole static cache every round. With a mask,
+transformers' "sdpa" attention repeats the K/V heads to the query heads (`repeat_kv`: on CUDA, masked GQA inside
+SDPA used to fall back to the math kernel) and, under `torch.compile`, that repeat is one copy of the layer's
+whole cache per layer per round. On the H200 at the reference target's shapes (9 query heads, 3 K/V heads,
+~640 cached keys; `trainer/gpu_attention_bench.py`, `h200-2026-12-02f`), calling SDPA with `enable_gqa=True` and the
+same mask costs 6.5 instead of 9.6 us per layer for one query row and 14.1 instead of 18.1 us for 47 (a tree
+round): about 0.09 ms of a 1.05 ms plain step.
+
+So `engine_attention(target)` switches a target that uses "sdpa" (or "eager", which would misread the boolean
+mask) to `ATTENTION` for the duration of a decoding call and restores it afterwards (the caller's model is left as
+it was found, as with its train/eval modes). The function computes the same attention, softmax(q k^T * scaling +
+mask) v over the same keys, per query head with its group's K/V head. Calls it does not handle in the same way (no
+mask, no grouped heads, or extra arguments that change the result: `softcap`, `position_bias`, attention sinks) go
+to transformers' own SDPA function unchanged. Implementations that cannot take a 4D mask (flash, flex, paged) are
+refused by name (`check_attention`).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTENTION = "carryover_sdpa_gqa"
+# keyword arguments that change what attention computes; a call carrying any of them is left to transformers
+_NOT_HANDLED = ("softcap", "position_bias", "s_aux", "sinks")
+
+
+def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                       **kwargs):
+    """query `[b, heads, q, d]`, key/value `[b, kv_heads, L, d]`, mask `[b, 1, q, L]` (bool or additive) ->
+    (`[b, q, heads, d]`, None), as transformers' attention functions return it."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if attention_mask is None or groups == 1 or any(kwargs.get(k) is not None for k in _NOT_HANDLED):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, enable_gqa=True)  # [b, heads, q, d]
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION, gqa_sdpa_attention)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # masks built by transformers (none in engine rounds) as sdpa's
+
+
+# implementations that cannot take the engine's 4D boolean mask over a static cache
+_REFUSED = ("flash_attention", "flex_attention", "paged")
+
+
+def check_attention(target) -> str:
+    """The target's attention implementation, refused by name if the engine cannot decode with it."""
+    impl = target.config.get_text_config()._attn_implementation or "sdpa"
+    if any(impl.startswith(r) or impl.startswith("kernels-community/") for r in _REFUSED):
+        raise ValueError(f"the fast engine cannot run a target with attn_implementation={impl!r}: its rounds pass a "
+                         "4D boolean mask over a static cache, which that implementation does not take; load the "
+                         "target with attn_implementation='sdpa' (or 'eager'), or call model.set_attn_implementation"
+                         "('sdpa')")
+    return impl
+
+
+@contextmanager
+def engine_attention(target):
+    """Run the body with `target`'s language model on `ATTENTION` if it uses "sdpa" or "eager", then put its
+    implementation back, also after an error. "eager" is switched too: it adds the mask to the scores, so a boolean
+    mask would add 0/1 instead of masking (the engine needs neither its attention weights nor its kernels). Only the
+    text config is switched: its attention modules are the ones the engine's rounds run."""
+    config = target.config.get_text_config()
+    before = check_attention(target)
+    if before not in ("sdpa", "eager"):
+        yield
+        return
+    config._attn_implementation = ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+__all__ = ["ATTENTION", "check_attention", "engine_attention", "gqa_sdpa_attention"]
