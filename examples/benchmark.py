@@ -226,6 +226,9 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
             print(f"warning: {len(prompts)} prompts in static batches of {batch} leave a last batch of "
                   f"{len(prompts) % batch} rows, which flatters speculative rows against AR; use a multiple of "
                   f"{batch} (--limit)", file=sys.stderr)
+    if engine.fused_projections is not None:  # GEMMs the frozen-weight pass merged in this row's engine so far
+        res["fused_gemms"] = engine.fused_projections.fused  # (hf_carryover/engine/fuse_projections.py; until
+        # 12-02f the sum over all engines of the call)
     if engine.profile and engine.timing["rounds"]:
         n = engine.timing["rounds"]
         res["per_round_s"] = {p: engine.timing[p] / n for p in ("draft", "verify", "other")}
@@ -393,8 +396,6 @@ def main():
         res = {"method": name, "dataset": dataset, "prompts": len(prompts), "temperature": T, **fn(prompts), **extra}
         if compile_options and name.startswith("engine"):
             res["compile_options"] = compile_options
-            # GEMMs merged so far by the engines' frozen-weight pass (hf_carryover/engine/fuse_projections.py)
-            res["fused_gemms"] = sum(e.fused_projections.fused for e in engines.values() if e.fused_projections)
         if load0 is not None:
             res["host_load"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
         return res

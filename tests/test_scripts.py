@@ -700,6 +700,19 @@ def test_attention_bench_variants_compute_the_same_attention(tmp_path):
     assert all("error" not in r and r["max_abs_err"] < 1e-5 and r["us_per_layer"] > 0 for r in rows), rows
 
 
+def test_host_overhead_times_the_decoding_wrapper(tmp_path):
+    """examples/host_overhead.py: times `_decoding` on a SmolLM2-shaped module tree with the models in eval mode and
+    in training mode, and writes what it printed."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import host_overhead
+
+    out = tmp_path / "host.json"
+    res = host_overhead.main(["--calls", "2", "--out", str(out)])
+    assert json.loads(out.read_text()) == res
+    assert res["modules"] == [397, 51]
+    assert all(res[k] > 0 for k in ("decoding_wrapper_ms", "decoding_wrapper_training_ms", "attention_switch_ms"))
+
+
 def test_data_stats_valid_row_share(tmp_path):
     """examples/data_stats.py: the expected share of real proposal rows equals a hand count and the mean over many
     draws of the objectives' own `sample_anchors` + `block_targets`."""
