@@ -2,11 +2,12 @@
 
 Why: the engine hands the target a boolean 4D mask over its whole static cache every round. With a mask,
 transformers' "sdpa" attention repeats the K/V heads to the query heads (`repeat_kv`: on CUDA, masked GQA inside
-SDPA used to fall back to the math kernel) and, under `torch.compile`, that repeat is one copy of the layer's
-whole cache per layer per round. On the H200 at the reference target's shapes (9 query heads, 3 K/V heads,
-~640 cached keys; `trainer/gpu_attention_bench.py`, `h200-2026-12-02f`), calling SDPA with `enable_gqa=True` and the
-same mask costs 6.5 instead of 9.6 us per layer for one query row and 14.1 instead of 18.1 us for 47 (a tree
-round): about 0.09 ms of a 1.05 ms plain step.
+SDPA used to fall back to the math kernel), so every layer reads its whole cache and writes it out repeated before
+the attention kernel reads it again. At the reference target's shapes (9 query heads, 3 K/V heads, ~640 cached keys)
+one layer's attention took 6.5 instead of 9.6 us for one query row and 14.1 instead of 18.1 us for 47 (a tree round)
+when SDPA got the grouped heads itself (`trainer/gpu_attention_bench.py`, H200, `h200-2026-12-02f`). In the compiled
+engine inductor had already fused the repeat into a neighbouring kernel, so the round gained less: a plain step
+1.051 -> 1.033 ms, a tree 31 + lookup round 1.802 -> 1.738 ms (`examples/profile_engine.py`, 12-02e against 12-02f).
 
 So `engine_attention(target)` switches a target that uses "sdpa" (or "eager", which would misread the boolean
 mask) to `ATTENTION` for the duration of a decoding call and restores it afterwards (the caller's model is left as
@@ -70,8 +71,8 @@ def engine_attention(target):
     mask would add 0/1 instead of masking (the engine needs neither its attention weights nor its kernels). Only the
     text config is switched: its attention modules are the ones the engine's rounds run."""
     config = target.config.get_text_config()
-    before = check_attention(target)
-    if before not in ("sdpa", "eager"):
+    before = config._attn_implementation  # restored as it was (None included)
+    if check_attention(target) not in ("sdpa", "eager"):
         yield
         return
     config._attn_implementation = ATTENTION
