@@ -10,6 +10,9 @@ this script splits it, per mode:
   * `generate_ms_per_round`: wall time of `engine.generate()` per round over real prompts (each prompt's width bucket
     captured beforehand), and `prefill_ms` per prompt (the captured row prefill generate() runs, timed alone;
     `eager_prefill_ms`: the eager batched forward it replaced);
+  * `host`: where one batch-1 `generate()` call's host time goes, by Python function (cProfile): the 25 costliest
+    by cumulative and the 15 by own time. Time blocked in the round's one sync shows as `tolist`; the rest is the
+    host's own work (prefill setup, state reset, the first lookup, read-out, mode and attention switching);
   * `kernels`: per round, the number of kernels and their time by kind (GEMM, attention, Triton-fused, index,
     copy, other) and the 20 costliest kernel names, from `torch.profiler` over replays of the captured round;
   * `parts` (with a drafter): the drafter's block forward and the target's forward over 1 and over N+1 rows,
@@ -64,6 +67,25 @@ def replay_ms(fn, n: int, sync_each: bool = False, sync=None) -> float:
             sync()
     torch.cuda.synchronize()
     return 1000 * (time.perf_counter() - t) / n
+
+
+def host_profile(fn, top: int = 25, top_self: int = 15) -> dict:
+    """One call of `fn` under cProfile: its wall time and the Python functions (and built-ins) costliest by
+    cumulative and by own time, in ms."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    fn()
+    prof.disable()
+    wall = time.perf_counter() - t
+    rows = [{"function": f"{Path(file).name}:{line}({name})", "calls": nc, "cum_ms": 1000 * ct, "self_ms": 1000 * tt}
+            for (file, line, name), (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items()]
+    return {"call_ms": 1000 * wall,
+            "by_cumulative": sorted(rows, key=lambda r: -r["cum_ms"])[:top],
+            "by_self": sorted(rows, key=lambda r: -r["self_ms"])[:top_self]}
 
 
 def kernel_profile(fn, n: int) -> dict:
@@ -149,7 +171,12 @@ def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, loo
         res["gpu_ms"] = replay_ms(g.replay, args.replays)
         res["synced_ms"] = replay_ms(g.replay, args.replays, sync_each=True, sync=lambda: st.flags.tolist())
         res["kernels"] = kernel_profile(g.replay, args.profile_replays)
-    print(json.dumps({k: v for k, v in res.items() if k not in ("kernels", "parts")}), flush=True)
+    def one_call():
+        eng.generate([prompts[0]], **kw)
+        torch.cuda.synchronize()
+
+    res["host"] = host_profile(one_call)
+    print(json.dumps({k: v for k, v in res.items() if k not in ("kernels", "parts", "host")}), flush=True)
     save(res)  # before the parts, which compile three more graphs
     if parts and drafter is not None:
         res["parts"] = part_times(args, eng, st, tree)

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -750,9 +751,10 @@ def test_data_stats_valid_row_share(tmp_path):
 
 def test_profile_engine_kernel_kinds_and_cpu_refusal():
     """`profile_engine.py` sorts kernels by kind from their names (names as the H200 profile of 2026-12-02 reported
-    them), and on a machine without CUDA it stops with a message that says why instead of timing eager rounds."""
+    them), `host_profile` finds where a call's time went, and on a machine without CUDA the script stops with a
+    message that says why instead of timing eager rounds."""
     sys.path.insert(0, str(ROOT / "examples"))
-    from profile_engine import kernel_kind
+    from profile_engine import host_profile, kernel_kind
 
     kinds = {"nvjet_sm90_tst_64x8_64x16_2x4_h_bz_TNT": "gemm",
              "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x64": "attention",
@@ -761,6 +763,16 @@ def test_profile_engine_kernel_kinds_and_cpu_refusal():
              "Memset (Unknown)": "copy",
              "void at::native::mbtopk::computeBlockDigitCounts<float, unsigned int>": "other"}
     assert {n: kernel_kind(n) for n in kinds} == kinds
+
+    def call():  # host_profile: one call's wall time, and where it went by function
+        time.sleep(0.02)
+        sum(range(1000))
+
+    prof = host_profile(call, top=5, top_self=3)
+    assert prof["call_ms"] >= 20 and len(prof["by_cumulative"]) <= 5 and len(prof["by_self"]) <= 3
+    sleep = [r for r in prof["by_self"] if "sleep" in r["function"]]
+    assert sleep and sleep[0]["calls"] == 1 and sleep[0]["self_ms"] >= 19
+    assert prof["by_cumulative"][0]["cum_ms"] >= prof["by_cumulative"][-1]["cum_ms"]
     if torch.cuda.is_available():
         pytest.skip("the refusal is for machines without CUDA")
     run = subprocess.run([sys.executable, str(ROOT / "examples" / "profile_engine.py"), "--out", "x.json"],
