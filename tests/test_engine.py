@@ -394,6 +394,8 @@ def test_engine_attention_keeps_gqa_in_sdpa_and_restores_the_targets_choice():
     ours, _ = attn.gqa_sdpa_attention(module, q, k, v, mask, scaling=0.3)
     ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
     assert ours.shape == ref.shape == (2, 5, 4, 8) and torch.allclose(ours, ref, atol=1e-12)
+    with pytest.raises(ValueError, match="softcap"):  # left to transformers' function, which refuses softcap
+        attn.gqa_sdpa_attention(module, q, k, v, mask, scaling=0.3, softcap=30.0)
 
     target = build_target("llama", seed=5)
     assert target.config._attn_implementation == "sdpa"
