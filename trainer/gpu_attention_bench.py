@@ -157,7 +157,8 @@ def main(argv=None):
                 try:
                     row = time_variant(variant, args, q_rows, keys, device, dtype)
                 except Exception as e:  # a backend that refuses these shapes is a result too
-                    row = {"variant": variant, "q_rows": q_rows, "keys": keys, "error": f"{type(e).__name__}: {e}"[:300]}
+                    row = {"variant": variant, "q_rows": q_rows, "keys": keys,
+                           "error": f"{type(e).__name__}: {e}"[:300]}
                 print(json.dumps(row), flush=True)
                 result["rows"].append(row)
                 if args.out:
