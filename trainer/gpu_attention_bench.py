@@ -33,6 +33,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from evaluate_tau import environment  # noqa: E402
 
+from hf_carryover.engine.graphs import capture_round  # noqa: E402
+
 BACKENDS = {"hf_efficient": "EFFICIENT_ATTENTION", "hf_cudnn": "CUDNN_ATTENTION", "hf_math": "MATH"}
 
 
@@ -87,10 +89,11 @@ def reference(q, k, v, mask, heads, kv_heads):
     return s.masked_fill(~mask, float("-inf")).softmax(-1) @ v
 
 
-def time_variant(variant, args, q_rows, keys, device, dtype):
-    """Microseconds per layer of `variant`, compiled and (on CUDA) captured with all layers in one graph."""
-    q, k, v, mask = make_inputs(args.layers, q_rows, keys, min(args.valid, keys - q_rows - 1), args.heads,
-                                args.kv_heads, args.head_dim, dtype, device)
+def time_variant(variant, args, q_rows, keys, valid, device, dtype):
+    """Microseconds per layer of `variant`, compiled and (on CUDA) captured with all layers in one graph; `valid`
+    committed keys in the mask."""
+    q, k, v, mask = make_inputs(args.layers, q_rows, keys, valid, args.heads, args.kv_heads, args.head_dim, dtype,
+                                device)
     fn = layer_fn(variant, args.heads, args.kv_heads, mask, keys)
 
     def all_layers():
@@ -104,19 +107,8 @@ def time_variant(variant, args, q_rows, keys, device, dtype):
         outs = run()  # compiles under the backend restriction
         err = max((o.double() - reference(q[i], k[i], v[i], mask, args.heads, args.kv_heads)).abs().max().item()
                   for i, o in enumerate(outs))
-        if device.type == "cuda":
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    run()
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
-            step = graph.replay
-        else:
-            step = run
+        # the engine's capture: warm-up on a side stream, then record (nothing to restore: inputs are read only)
+        step = capture_round(run, [], warmup=2).replay if device.type == "cuda" else run
         step()
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         sync()
@@ -155,7 +147,7 @@ def main(argv=None):
                 if variant.startswith("window") and not valid + q_rows + 1 <= int(variant[len("window"):]) < keys:
                     continue  # a window must hold every key the mask lets through, and be shorter than the cache
                 try:
-                    row = time_variant(variant, args, q_rows, keys, device, dtype)
+                    row = time_variant(variant, args, q_rows, keys, valid, device, dtype)
                 except Exception as e:  # a backend that refuses these shapes is a result too
                     row = {"variant": variant, "q_rows": q_rows, "keys": keys,
                            "error": f"{type(e).__name__}: {e}"[:300]}
