@@ -29,8 +29,10 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def load_prompts(prompts_dir, dataset, limit):
-    rows = [json.loads(line) for line in Path(prompts_dir, f"{dataset}.jsonl").read_text().splitlines()]
+def load_prompts(prompts_dir, dataset, limit, skip=0):
+    """The dataset's prompts after the first `skip` (held-out prompts for tuning: the benchmarks take the first ones),
+    at most `limit` of them (0: all)."""
+    rows = [json.loads(line) for line in Path(prompts_dir, f"{dataset}.jsonl").read_text().splitlines()][skip:]
     return rows[:limit] if limit else rows
 
 
@@ -47,7 +49,7 @@ def load_target(name, dtype, device):
     return target.to(device).eval()
 
 
-ENGINE_KEYS = ("lookup_siblings",)  # spec keys passed to SpeculativeEngine (--engine), not to the drafter's config
+ENGINE_KEYS = ("lookup_siblings", "lookup_confidence")  # spec keys passed to SpeculativeEngine (--engine), not to the drafter's config
 
 
 def load_drafters(specs, dtype, device):
@@ -77,9 +79,17 @@ def parse_spec(spec: str):
     `lookup_siblings=false` (`ENGINE_KEYS`, a `SpeculativeEngine` argument, --engine only)."""
     name, rest = spec.split("=", 1)
     path, *pairs = rest.split(",")
-    overrides = {k: json.loads(v) if v in ("true", "false") or v.lstrip("-").isdigit() else v
-                 for k, v in (p.split("=", 1) for p in pairs)}
+    overrides = {k: _value(v) for k, v in (p.split("=", 1) for p in pairs)}
     return name, path, overrides, overrides.pop("lookup", None)
+
+
+def _value(text: str):
+    """A spec value: true/false and numbers as JSON reads them, anything else (a path) as given."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return value if isinstance(value, (bool, int, float)) else text
 
 
 def _setup(args):
@@ -138,7 +148,7 @@ def offline(args):
     eos = [eos] if isinstance(eos, int) else list(eos)
     out = open(Path(args.out) / "raw-offline.jsonl", "a")
     for dataset in args.datasets:
-        rows = load_prompts(args.prompts_dir, dataset, args.limit)
+        rows = load_prompts(args.prompts_dir, dataset, args.limit, args.skip)
         roll_dir = Path(args.out) / f"rollouts-{dataset}"
         regenerate_responses(target, [(r["id"], r["input_ids"]) for r in rows], roll_dir,
                              max_new_tokens=args.max_new_tokens, batch_size=args.engine_batch,
@@ -170,7 +180,7 @@ def engine_mode(args):
     out = open(Path(args.out) / "raw-engine.jsonl", "a")
     for temp in args.temperatures:  # drafters innermost: a time-boxed run still compares all of them
         for dataset in args.datasets:
-            rows = load_prompts(args.prompts_dir, dataset, args.limit)
+            rows = load_prompts(args.prompts_dir, dataset, args.limit, args.skip)
             width = max(len(r["input_ids"]) for r in rows)
             for name, drafter in drafters.items():
                 tree = dict(drafter._eval_tree)
@@ -194,8 +204,9 @@ def engine_mode(args):
                         if tree:  # rounds verified a tree: `accepted` is tokens emitted minus one
                             rec.update(tree_nodes=tree.get("tree_nodes") or tree["tree"].num_nodes,
                                        tree=drafter._eval_tree["tree"])
-                        if lookup:  # as the generate() records: the setting and how many rounds looked up
-                            rec.update(lookup=lookup, lookup_rounds=sum(looked))
+                        if lookup:  # as the generate() records: the setting and how many rounds looked up, and
+                            # which ones (per round, as `accepted`)
+                            rec.update(lookup=lookup, lookup_rounds=sum(looked), looked=looked)
                         rec.update(drafter._eval_engine)  # e.g. lookup_siblings: false
                         out.write(json.dumps(rec) + "\n")
                     out.flush()
@@ -256,6 +267,7 @@ def main():
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0])
     p.add_argument("--prompts_dir", default="assets/prompts")
     p.add_argument("--limit", type=int, default=0, help="first N prompts per dataset (0 = all)")
+    p.add_argument("--skip", type=int, default=0, help="leave out the first N prompts (tuning on held-out prompts)")
     p.add_argument("--max_new_tokens", type=int, default=256)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16")
@@ -296,7 +308,7 @@ def main():
         for temp in args.temperatures:
             # datasets interleaved prompt by prompt, so that a run cut by a time limit has covered the first
             # prompts of every dataset alike instead of all of one dataset and none of the next
-            per_set = {d: load_prompts(args.prompts_dir, d, args.limit) for d in args.datasets}
+            per_set = {d: load_prompts(args.prompts_dir, d, args.limit, args.skip) for d in args.datasets}
             for i in range(max(map(len, per_set.values()), default=0)):
                 for dataset, rows in per_set.items():
                     if i >= len(rows):

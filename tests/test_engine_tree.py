@@ -14,8 +14,8 @@ from hf_carryover.engine import engine as engine_mod
 from hf_carryover.engine import refill as refill_mod
 from hf_carryover.engine.engine import DecodeState, SpeculativeEngine
 from hf_carryover.engine.static_cache import TargetStaticCache
-from hf_carryover.engine.tree import (TreeSpec, accept_tree, lookup_ranks, node_ranks, node_tokens, select_tree,
-                                      static_tree)
+from hf_carryover.engine.tree import (TreeSpec, accept_tree, lookup_chain_lp, lookup_ranks, node_ranks, node_tokens,
+                                      select_tree, static_tree)
 
 WIDE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0), (0, 0, 1)]
 
@@ -209,6 +209,48 @@ def test_select_tree_keeps_the_chain_a_lookup_reaches():
     chain = [i for i in range(9) if forced["main"][0, i]]
     assert sorted(forced["depth"][0, chain].tolist()) == list(range(7))  # root + chain depths 1..6
 
+
+def test_scored_lookup_is_kept_as_far_as_it_outscores_the_drafters_alternatives():
+    """`lookup_chain_lp`: a looked-up token scores max(drafter log-prob of it, log confidence), NaN where there is no
+    lookup. In `select_tree(chain_lp=...)` a confident lookup then runs deep through a drafter that is unsure, a
+    doubtful one gives its nodes to the drafter's alternatives after a step or two, and a row without a lookup gets
+    the plain selection."""
+    D, R = 6, 3
+    full = TreeSpec([p for d in range(1, D + 1) for p in __import__("itertools").product(range(R), repeat=d)])
+    lp = torch.tensor([[0.4, 0.35, 0.25]] * D).log()[None].expand(3, -1, -1)  # unsure everywhere
+    top = torch.tensor([[10, 11, 12]] * D)[None].expand(3, -1, -1)  # [b, D, R]
+    look = torch.tensor([[40] * D, [11] + [40] * (D - 1), [0] * D])  # row 1: its first token is the drafter's rank 1
+    n_look = torch.tensor([6, 6, 0])
+    chain = lookup_chain_lp(lp, top, look, n_look, 0.9)
+    assert torch.allclose(chain[0], torch.tensor(0.9).log().expand(D))  # not in the drafter's list: the floor
+    assert torch.isclose(chain[1, 0], torch.tensor(0.9).log())  # max(log 0.35, log 0.9)
+    assert chain[2].isnan().all()
+    assert torch.isclose(lookup_chain_lp(lp, top, look, n_look, 0.2)[1, 0], torch.tensor(0.35).log())
+    sure = select_tree(full, lp, 8, chain_lp=chain)
+    doubt = select_tree(full, lp, 8, chain_lp=lookup_chain_lp(lp, top, look, n_look, 0.3))
+    plain = select_tree(full, lp, 8)
+    on_chain = sure["main"][0] & (sure["depth"][0] > 0)
+    assert sure["depth"][0, on_chain].max() == D  # six steps of 0.9 outscore every alternative of 0.4 or less
+    assert 0 < doubt["depth"][0][doubt["main"][0]].max() < D  # 0.3 a step: cut short, alternatives kept instead
+    for key in ("depth", "rank", "parent"):
+        assert torch.equal(sure[key][2], plain[key][2])
+    for r in range(3):
+        assert all(sure["parent"][r, i] < i for i in range(1, 9))
+
+
+@pytest.mark.parametrize("confidence", [0.2, 0.9])
+def test_scored_lookup_is_exact(confidence):
+    """`lookup_confidence` changes which nodes a round verifies, never the output: plain greedy decoding's tokens on
+    a prompt that loops (lookups hit), and out-of-range values are refused."""
+    target = _target()
+    prompts = [PROMPT_LOOP[0].tolist(), PROMPT_LOOP[0, 6:].tolist()]
+    refs = _greedy_refs(target, prompts, 20)
+    engine = SpeculativeEngine(target, _drafter(target, "dflash"), max_len=128, lookup_confidence=confidence)
+    assert engine.generate(prompts, max_new_tokens=20, tree=WIDE, prompt_lookup_num_tokens=4, tree_nodes=6) == refs
+    assert sum(map(sum, engine.lookup_rounds)) > 0
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="lookup_confidence"):
+            SpeculativeEngine(target, _drafter(target, "dflash"), max_len=128, lookup_confidence=bad)
 
 
 def test_siblings_of_a_looked_up_token_take_the_drafters_ranking_without_it():

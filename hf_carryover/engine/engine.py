@@ -101,7 +101,7 @@ def check_inductor_options(options: dict) -> None:
 class SpeculativeEngine(TreeRounds):
     def __init__(self, target, drafter=None, max_len: int = 2048, profile: bool = False, cuda_graphs: bool = False,
                  compile: bool | str = False, lookup_skips_drafter: bool = True, compile_options: dict | None = None,
-                 lookup_siblings: bool = True):
+                 lookup_siblings: bool = True, lookup_confidence: float | None = None):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -142,7 +142,16 @@ class SpeculativeEngine(TreeRounds):
         lookup_siblings=True (tree rounds with context lookup): a looked-up token's siblings propose the drafter's
         ranking without that token (`tree.node_ranks`). False gives them their own ranks, as before 2026-12-02, so
         where the lookup displaced the drafter's first choice that choice is verified nowhere; kept for the paired
-        τ comparison of the two (`examples/evaluate_tau.py`'s `lookup_siblings=false`). Both are exact."""
+        τ comparison of the two (`examples/evaluate_tau.py`'s `lookup_siblings=false`). Both are exact.
+
+        lookup_confidence=c (dynamic trees, `tree_nodes`, with context lookup): a looked-up token is scored like a
+        drafted one whose drafter probability is at least c (`tree.lookup_chain_lp`), and the lookup is kept only as
+        deep as it outscores the drafter's alternatives. None (the default) keeps the whole lookup (up to the round's
+        nodes). Both are exact; they differ in τ, and keeping the whole lookup measured best (`tree.lookup_chain_lp`),
+        so the option stays for such comparisons."""
+        if lookup_confidence is not None and not 0.0 < float(lookup_confidence) <= 1.0:
+            raise ValueError(f"lookup_confidence={lookup_confidence}: a probability in (0, 1] (None: keep the lookup).")
+        self.lookup_confidence = None if lookup_confidence is None else float(lookup_confidence)
         self.lookup_skips_drafter = lookup_skips_drafter
         self.lookup_siblings = lookup_siblings
         self.skipped_drafts = 0

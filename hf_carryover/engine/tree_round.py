@@ -12,13 +12,13 @@ import torch
 
 from .sampling import inverse_cdf
 from .state import DecodeState
-from .tree import (TreeSpec, accept_tree, lookup_ranks, node_ranks, node_tokens, select_tree, static_tree, tree_mask,
-                   unique_children)
+from .tree import (TreeSpec, accept_tree, lookup_chain_lp, lookup_ranks, node_ranks, node_tokens, select_tree,
+                   static_tree, tree_mask, unique_children)
 
 
 class TreeRounds:
-    """`_tree_round` and `_tree_carry` for `SpeculativeEngine`, which provides `drafter`, `lookup_siblings`, `_steps`,
-    `_draft_logits`, `_target_forward` and `_commit`."""
+    """`_tree_round` and `_tree_carry` for `SpeculativeEngine`, which provides `drafter`, `lookup_siblings`,
+    `lookup_confidence`, `_steps`, `_draft_logits`, `_target_forward` and `_commit`."""
 
     def _tree_round(self, st: DecodeState, tree: TreeSpec, lookup=0, nodes=None, do_sample=False):
         """One round that verifies a draft tree (`tree.py`; static or chosen per row), not the linear block.
@@ -52,9 +52,15 @@ class TreeRounds:
             hit = n_look > 0
             if self.lookup_siblings:  # [b, D]: the looked-up tokens' places in the drafter's ranking
                 lpos = lookup_ranks(top, look, n_look)
-        # a dynamic tree keeps the rank-0 chain as deep as the lookup reaches (its tokens go there, below)
+        # a dynamic tree keeps the rank-0 chain as deep as the lookup reaches (its tokens go there, below), or with
+        # `lookup_confidence` scores the looked-up tokens and keeps them as far as they outscore the alternatives
+        keep = chain_lp = None
+        if lookup and self.lookup_confidence is None:
+            keep = torch.where(hit, n_look, 0)
+        elif lookup and nodes is not None:
+            chain_lp = lookup_chain_lp(lp, top, look, n_look, self.lookup_confidence)  # [b, D]
         t = static_tree(tree, b, st.anchor.device) if nodes is None else select_tree(
-            tree, lp, nodes, keep_chain=torch.where(hit, n_look, 0) if lookup else None, lookup_pos=lpos)
+            tree, lp, nodes, keep_chain=keep, lookup_pos=lpos, chain_lp=chain_lp)
         depth = t["depth"]  # [b, N+1]
         n = depth.shape[1]
         tokens = node_tokens(top, t, node_ranks(t, lpos))  # [b, N]; a looked-up token's siblings skip it
