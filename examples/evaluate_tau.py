@@ -49,7 +49,7 @@ def load_target(name, dtype, device):
     return target.to(device).eval()
 
 
-ENGINE_KEYS = ("lookup_siblings", "lookup_confidence")  # spec keys passed to SpeculativeEngine (--engine), not to the drafter's config
+ENGINE_KEYS = ("lookup_siblings", "lookup_confidence", "lookup_min_ngram")  # spec keys passed to SpeculativeEngine (--engine), not to the drafter's config
 
 
 def load_drafters(specs, dtype, device):
@@ -294,11 +294,13 @@ def main():
     if looked and args.offline:
         raise SystemExit(f"{looked}: context lookup (lookup=N) runs through generate() and the engine; the offline "
                          "replay has no lookup yet (examples/lookup_hybrid_offline.py replays it at T=0)")
-    if args.offline:
+    if args.summarize_only:
+        pass  # the raw records already written, whichever mode wrote them
+    elif args.offline:
         offline(args)
     elif args.engine:
         engine_mode(args)
-    elif not args.summarize_only:
+    else:
         done = set()
         for path in Path(args.out).glob("raw-*.jsonl"):  # resume: skip finished generations
             for line in path.read_text().splitlines():

@@ -238,19 +238,38 @@ def test_scored_lookup_is_kept_as_far_as_it_outscores_the_drafters_alternatives(
         assert all(sure["parent"][r, i] < i for i in range(1, 9))
 
 
-@pytest.mark.parametrize("confidence", [0.2, 0.9])
-def test_scored_lookup_is_exact(confidence):
-    """`lookup_confidence` changes which nodes a round verifies, never the output: plain greedy decoding's tokens on
-    a prompt that loops (lookups hit), and out-of-range values are refused."""
+@pytest.mark.parametrize("confidence, min_ngram", [(0.2, 3), (0.9, 3), (None, 2)])
+def test_scored_or_shorter_lookup_is_exact(confidence, min_ngram):
+    """`lookup_confidence` changes which nodes a round verifies and `lookup_min_ngram` which rounds look up, never the
+    output: plain greedy decoding's tokens on a prompt that loops (lookups hit); out-of-range values are refused."""
     target = _target()
     prompts = [PROMPT_LOOP[0].tolist(), PROMPT_LOOP[0, 6:].tolist()]
     refs = _greedy_refs(target, prompts, 20)
-    engine = SpeculativeEngine(target, _drafter(target, "dflash"), max_len=128, lookup_confidence=confidence)
+    engine = SpeculativeEngine(target, _drafter(target, "dflash"), max_len=128, lookup_confidence=confidence,
+                               lookup_min_ngram=min_ngram)
     assert engine.generate(prompts, max_new_tokens=20, tree=WIDE, prompt_lookup_num_tokens=4, tree_nodes=6) == refs
     assert sum(map(sum, engine.lookup_rounds)) > 0
-    for bad in (0.0, 1.5):
-        with pytest.raises(ValueError, match="lookup_confidence"):
-            SpeculativeEngine(target, _drafter(target, "dflash"), max_len=128, lookup_confidence=bad)
+    for bad in ({"lookup_confidence": 0.0}, {"lookup_confidence": 1.5}, {"lookup_min_ngram": 0},
+                {"lookup_min_ngram": 5}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SpeculativeEngine(target, _drafter(target, "dflash"), max_len=128, **bad)
+
+
+def test_lookup_min_ngram_reaches_the_lookup():
+    """A sequence whose last 3 tokens never occurred before but whose last 2 did: no lookup at 3, one at 2 (the
+    engine passes its `lookup_min_ngram` to `batched_context_lookup`)."""
+    target = _target()
+    seq = torch.tensor([[1, 2, 5, 6, 7, 9, 5, 6] + [0] * 8])  # suffix (5, 6) seen at 2; (9, 5, 6) never
+    for n, expect in ((3, 0), (2, 3)):
+        engine = SpeculativeEngine(target, _drafter(target, "dflash"), max_len=64, lookup_min_ngram=n)
+        st = engine._state(1, engine.drafter.config.num_proposals, 8, 0, "cpu", torch.float32)
+        st.seq.zero_()
+        st.seq[:, :16] = seq
+        st.anchor_pos.fill_(7)  # the anchor (6) at position 7: 8 committed tokens
+        engine._lookup_next(st, 3)
+        assert int(st.n_look[0]) == expect
+        if expect:
+            assert st.look[0, :3].tolist() == [7, 9, 5]
 
 
 def test_siblings_of_a_looked_up_token_take_the_drafters_ranking_without_it():

@@ -545,6 +545,14 @@ def test_evaluate_tau_cut_run_keeps_its_command(tmp_path):
                 for d, f in (("tr", "raw-0.jsonl"), ("tr2", "raw-engine.jsonl")))
     assert gen["tree_nodes"] == eng["tree_nodes"] == 3 and gen["tree"] == eng["tree"] == str(tree)
     assert gen["accepted"] == eng["accepted"] and gen["lookup_rounds"] == eng["lookup_rounds"]
+    assert len(eng["looked"]) == len(eng["accepted"]) and sum(eng["looked"]) == eng["lookup_rounds"]
+    # re-summarising an engine run reads its records and measures nothing (it used to decode again and append)
+    raw_before = (tmp_path / "tr2" / "raw-engine.jsonl").read_text()
+    (tmp_path / "tr2" / "summary.json").unlink()
+    subprocess.run([sys.executable, script, *tr, "--engine", "--summarize_only", "--out", str(tmp_path / "tr2")],
+                   check=True, env=env, capture_output=True, cwd=tmp_path)
+    assert (tmp_path / "tr2" / "raw-engine.jsonl").read_text() == raw_before
+    assert "--summarize_only" not in json.loads((tmp_path / "tr2" / "summary.json").read_text())["command"]
     bad = subprocess.run([sys.executable, script, *lk, "--offline", "--out", str(tmp_path / "lk3")], env=env,
                          capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode != 0 and "offline replay has no lookup" in bad.stderr
@@ -843,4 +851,19 @@ def test_evaluate_tau_refuses_engine_keys_without_engine(tmp_path):
     script = str(ROOT / "examples" / "evaluate_tau.py")
     r = subprocess.run([sys.executable, script, "--drafters", "x=nowhere,lookup=4,lookup_siblings=false",
                         "--out", str(tmp_path)], capture_output=True, text=True)
-    assert r.returncode != 0 and "lookup_siblings are SpeculativeEngine arguments: they need --engine" in r.stderr
+    assert r.returncode != 0 and "lookup_min_ngram are SpeculativeEngine arguments: they need --engine" in r.stderr
+
+
+def test_evaluate_tau_specs_and_held_out_prompts(tmp_path):
+    """Spec values: booleans and numbers as JSON reads them (`lookup_confidence=0.9` a float, not the string), paths
+    as given; `--skip N` leaves out the first N prompts (tuning on prompts the benchmarks do not use)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from evaluate_tau import load_prompts, parse_spec
+
+    name, path, over, lookup = parse_spec("c9=model_cards/x-1,tree=t.json,tree_nodes=31,lookup=15,"
+                                          "lookup_confidence=0.9,lookup_siblings=false")
+    assert (name, path, lookup) == ("c9", "model_cards/x-1", 15)
+    assert over == {"tree": "t.json", "tree_nodes": 31, "lookup_confidence": 0.9, "lookup_siblings": False}
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"id": i, "input_ids": [i]}) + "\n" for i in range(5)))
+    assert [r["id"] for r in load_prompts(tmp_path, "d", 2, skip=3)] == [3, 4]
+    assert [r["id"] for r in load_prompts(tmp_path, "d", 0)] == [0, 1, 2, 3, 4]

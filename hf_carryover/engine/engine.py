@@ -101,7 +101,7 @@ def check_inductor_options(options: dict) -> None:
 class SpeculativeEngine(TreeRounds):
     def __init__(self, target, drafter=None, max_len: int = 2048, profile: bool = False, cuda_graphs: bool = False,
                  compile: bool | str = False, lookup_skips_drafter: bool = True, compile_options: dict | None = None,
-                 lookup_siblings: bool = True, lookup_confidence: float | None = None):
+                 lookup_siblings: bool = True, lookup_confidence: float | None = None, lookup_min_ngram: int = 3):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -148,7 +148,13 @@ class SpeculativeEngine(TreeRounds):
         drafted one whose drafter probability is at least c (`tree.lookup_chain_lp`), and the lookup is kept only as
         deep as it outscores the drafter's alternatives. None (the default) keeps the whole lookup (up to the round's
         nodes). Both are exact; they differ in τ, and keeping the whole lookup measured best (`tree.lookup_chain_lp`),
-        so the option stays for such comparisons."""
+        so the option stays for such comparisons.
+
+        lookup_min_ngram=n (context lookup): the shortest suffix that may match (the longest tried is 4). 3 is the
+        generate() path's rule; 2 finds more lookups, each less often right (`examples/results/cpu-2026-12-03`)."""
+        if not 1 <= int(lookup_min_ngram) <= 4:
+            raise ValueError(f"lookup_min_ngram={lookup_min_ngram}: between 1 and 4 (the longest suffix tried).")
+        self.lookup_min_ngram = int(lookup_min_ngram)
         if lookup_confidence is not None and not 0.0 < float(lookup_confidence) <= 1.0:
             raise ValueError(f"lookup_confidence={lookup_confidence}: a probability in (0, 1] (None: keep the lookup).")
         self.lookup_confidence = None if lookup_confidence is None else float(lookup_confidence)
@@ -399,11 +405,11 @@ class SpeculativeEngine(TreeRounds):
         st.done.copy_(new_done)
         st.set_flags(self._lookup_next(st, lookup) if lookup else torch.zeros_like(new_done[0]))
 
-    @staticmethod
-    def _lookup_next(st: DecodeState, lookup: int) -> torch.Tensor:
+    def _lookup_next(self, st: DecodeState, lookup: int) -> torch.Tensor:
         """Store the next round's context lookup in `st` (from the committed sequence as it now stands) and return
         whether every unfinished row has one (a 0-d bool tensor; no sync)."""
-        look, n_look, _ = batched_context_lookup(st.seq, st.anchor_pos + 1, st.k, lookup)  # [b, k], [b]
+        look, n_look, _ = batched_context_lookup(st.seq, st.anchor_pos + 1, st.k, lookup,
+                                                 min_ngram=self.lookup_min_ngram)  # [b, k], [b]
         st.look.copy_(look)
         st.n_look.copy_(n_look)
         return ((n_look > 0) | st.done).all()
