@@ -49,7 +49,8 @@ def load_target(name, dtype, device):
     return target.to(device).eval()
 
 
-ENGINE_KEYS = ("lookup_siblings", "lookup_confidence", "lookup_min_ngram")  # spec keys passed to SpeculativeEngine (--engine), not to the drafter's config
+# spec keys passed to SpeculativeEngine (--engine), not to the drafter's config
+ENGINE_KEYS = ("lookup_siblings", "lookup_confidence", "lookup_min_ngram")
 
 
 def load_drafters(specs, dtype, device):
@@ -75,8 +76,9 @@ def parse_spec(spec: str):
     """`name=folder[,key=value...]` -> (name, folder, config overrides, lookup N or None): `lookup=N` is a generate()
     argument (context lookup, `prompt_lookup_num_tokens=N`), not a config field; so are `tree=FILE` and `tree_nodes=N`
     (verify a draft tree from `examples/calibrate_tree.py`, N nodes per round: in the engine, or through generate()
-    with `drafter.use_draft_tree`), which stay in the overrides until `load_drafters` takes them out; so does
-    `lookup_siblings=false` (`ENGINE_KEYS`, a `SpeculativeEngine` argument, --engine only)."""
+    with `drafter.use_draft_tree`), which stay in the overrides until `load_drafters` takes them out; so do
+    `lookup_siblings=false`, `lookup_confidence=P` and `lookup_min_ngram=N` (`ENGINE_KEYS`, `SpeculativeEngine`
+    arguments, --engine only)."""
     name, rest = spec.split("=", 1)
     path, *pairs = rest.split(",")
     overrides = {k: _value(v) for k, v in (p.split("=", 1) for p in pairs)}
