@@ -15,6 +15,7 @@ from test_engine import _greedy_refs, _trained_setup
 from test_sampling import ALPHA, NEW, PURE, _drafter, _pvalues, _target
 
 from hf_carryover.engine import engine as engine_mod
+from hf_carryover.engine import linear_round
 from hf_carryover.engine import refill as refill_mod
 from hf_carryover.engine.engine import SpeculativeEngine
 from hf_carryover.generation_carryover import batched_context_lookup, context_lookup
@@ -138,7 +139,7 @@ def test_engine_lookup_negative_control(monkeypatch):
     def uniform(tokens, vocab):
         return torch.full((*tokens.shape, vocab), 1.0 / vocab)
 
-    monkeypatch.setattr(engine_mod, "point_mass", uniform)
+    monkeypatch.setattr(linear_round, "point_mass", uniform)
     spec, plain, _ = _sample_engine_with_lookup(_target(), None)
     assert min(_pvalues(spec, plain).values()) < ALPHA
 

@@ -2,7 +2,7 @@
 
 Why a class of its own: a captured CUDA graph replays reads and writes at fixed addresses, so these tensors are
 allocated once per shape and only ever updated in place (`DecodeState.tensors` lists what a capture snapshots).
-The rounds (`engine.py`, `tree_round.py`) and the continuous-batching refill (`refill.py`) all work on it.
+The rounds (`linear_round.py`, `tree_round.py`) and the continuous-batching refill (`refill.py`) all work on it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Draft-tree rounds of `SpeculativeEngine` (a mixin): one target forward verifies a tree of the drafter's
 top-ranked tokens instead of its linear block.
 
-Kept apart from `engine.py` because a tree round shares only the engine's building blocks (`_draft_logits`,
+Kept apart from `linear_round.py` because a tree round shares only the engine's building blocks (`_draft_logits`,
 `_target_forward`, `_commit`, the static state) and not its linear acceptance; the tree's own pieces (selection,
 ancestor mask, acceptance along a path) are the functions of `tree.py`.
 """
