@@ -26,7 +26,8 @@ Sampling supports temperature only (no top-k/top-p/penalties yet); greedy needs 
 Continuous batching (`generate(..., batch_size=b)`): more prompts than rows; the per-row done flags come back with the
 round's one read, and a finished row is read out and refilled with the next prompt (`refill.py`) between rounds.
 Beside this file: the linear round itself (`linear_round.py`), the static state a round works on (`state.py`),
-draft-tree rounds (`tree_round.py`, on `tree.py`'s pieces), phase timing for the latency model (`timing.py`), capture (`graphs.py`) and the caches (`static_cache.py`).
+draft-tree rounds (`tree_round.py`, on `tree.py`'s pieces), phase timing for the latency model (`timing.py`),
+capture (`graphs.py`), the caches (`static_cache.py`) and the target's attention while decoding (`attention.py`).
 """
 
 from __future__ import annotations
