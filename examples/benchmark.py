@@ -150,10 +150,13 @@ def run_hf(target, prompts, max_new, temperature=0.0, static_rounds=None, tree=N
 
 
 def make_engine(target, drafter, max_len, profile=False, cuda_graphs=False, compile=False, compile_options=None):
+    """The engine for a drafter's rows; a drafter spec's engine keys (evaluate_tau's `ENGINE_KEYS`, e.g.
+    `NAME=FOLDER,lookup_min_ngram=2`) are passed on, so two specs of one folder time two engine settings."""
     from hf_carryover.engine.engine import SpeculativeEngine
 
     return SpeculativeEngine(target, drafter, max_len=max_len, profile=profile, cuda_graphs=cuda_graphs,
-                             compile=compile, compile_options=compile_options)
+                             compile=compile, compile_options=compile_options,
+                             **(getattr(drafter, "_eval_engine", None) or {}))
 
 
 def parse_inductor_options(pairs) -> dict:
@@ -226,6 +229,9 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
             print(f"warning: {len(prompts)} prompts in static batches of {batch} leave a last batch of "
                   f"{len(prompts) % batch} rows, which flatters speculative rows against AR; use a multiple of "
                   f"{batch} (--limit)", file=sys.stderr)
+    settings = getattr(engine.drafter, "_eval_engine", None)
+    if settings:  # engine keys of the drafter's spec (make_engine), so a row says which setting it timed
+        res["engine_options"] = dict(settings)
     if engine.fused_projections is not None:  # GEMMs the frozen-weight pass merged in this row's engine so far
         res["fused_gemms"] = engine.fused_projections.fused  # (hf_carryover/engine/fuse_projections.py; until
         # 12-02f the sum over all engines of the call)

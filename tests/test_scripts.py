@@ -867,3 +867,19 @@ def test_evaluate_tau_specs_and_held_out_prompts(tmp_path):
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"id": i, "input_ids": [i]}) + "\n" for i in range(5)))
     assert [r["id"] for r in load_prompts(tmp_path, "d", 2, skip=3)] == [3, 4]
     assert [r["id"] for r in load_prompts(tmp_path, "d", 0)] == [0, 1, 2, 3, 4]
+
+
+def test_benchmark_passes_a_specs_engine_keys_and_records_them(tmp_path):
+    """`NAME=FOLDER,lookup_min_ngram=2` in --drafters builds that drafter's engine with the setting (two specs of one
+    folder time two settings side by side), and its rows say which setting they timed."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from benchmark import load_target, make_engine, run_engine
+    from evaluate_tau import load_drafters
+
+    target = load_target("tiny", torch.float32, "cpu")
+    build_drafter(target, "dflash", True).save_pretrained(tmp_path / "d")
+    drafters = load_drafters([f"a={tmp_path / 'd'}", f"b={tmp_path / 'd'},lookup_min_ngram=2"], torch.float32, "cpu")
+    engines = {n: make_engine(target, d, 64) for n, d in drafters.items()}
+    assert engines["a"].lookup_min_ngram == 3 and engines["b"].lookup_min_ngram == 2
+    rows = {n: run_engine(e, [[3, 7, 11, 3, 7]], 6, 1, None, lookup=3) for n, e in engines.items()}
+    assert "engine_options" not in rows["a"] and rows["b"]["engine_options"] == {"lookup_min_ngram": 2}
