@@ -198,7 +198,7 @@ def lookup_chain_lp(logprobs: torch.Tensor, top: torch.Tensor, look: torch.Tenso
     its first token is right, nodes taken from the drafter's alternatives at the first depths, where most rounds end.
     Measured, it did not pay: on 40 held-out HumanEval prompts (fp32, CPU, tree 31 + lookup 15, the shipped Carryover
     drafter) τ was 3.459 with the whole lookup kept, 3.446 at confidence 0.9 and 3.304 at 0.6
-    (`examples/results/cpu-2026-12-03/`). Looked-up rounds accepted 7.3 tokens on average: deep lookups are worth
+    (`examples/results/cpu-2026-12-03/`). Looked-up rounds emitted 7.3 tokens on average: deep lookups are worth
     their nodes."""
     R = top.shape[2]
     pos = lookup_ranks(top, look, n_look)  # [b, D]: R where not listed, -1 where no lookup
