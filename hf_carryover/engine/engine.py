@@ -42,8 +42,8 @@ from ..generation_carryover import eos_tensor
 from .attention import check_attention, engine_attention
 from .fuse_projections import FuseSharedInputMatmuls
 from .graphs import capture_round
-from .refill import RowPrefill
 from .linear_round import LinearRounds
+from .refill import RowPrefill
 from .sampling import inverse_cdf, point_mass, running_mass
 from .state import DecodeState
 from .static_cache import DrafterStaticCache, TargetStaticCache
