@@ -248,7 +248,8 @@ def test_graph_path_plumbing_with_eager_stand_in(monkeypatch, typ):
     """The cuda_graphs control flow on CPU: warm-up rounds on the live state leave no trace (restore), one capture
     per shape serves later prompts of other lengths, the replay loop gives the eager tokens and rounds, greedy and
     sampled (one more capture, and the same seed draws the eager tokens: the uniforms are drawn outside the round).
-    The prompts are prefilled through the row prefill's stand-in graphs: one per width bucket, all prompts here in one."""
+    The prompts are prefilled through the row prefill's stand-in graphs: one per width bucket, all prompts here in
+    one. Each call starts through a captured start too (`SpeculativeEngine._start`), once per state."""
     monkeypatch.setattr(engine_mod, "_is_cuda", lambda dev: True)
     captured, prefills = [], []
     monkeypatch.setattr(engine_mod, "capture_round", _fake_capture(captured))
@@ -261,13 +262,13 @@ def test_graph_path_plumbing_with_eager_stand_in(monkeypatch, typ):
         fresh = SpeculativeEngine(target, drafter, max_len=96)
         assert engine.generate(prompts, max_new_tokens=25) == fresh.generate(prompts, max_new_tokens=25)
         assert engine.rounds == fresh.rounds and engine.last_mode == "cuda_graph"
-    assert len(captured) == 1
+    assert len(captured) == 2  # the round and the call's start (`SpeculativeEngine._start`)
     for seed, lengths in ((3, (4, 11)), (4, (7, 2))):
         prompts, fresh = _prompts(seed, lengths), SpeculativeEngine(target, drafter, max_len=96)
         kw = dict(max_new_tokens=25, do_sample=True, temperature=0.9, seed=seed)
         assert engine.generate(prompts, **kw) == fresh.generate(prompts, **kw)
         assert engine.rounds == fresh.rounds and engine.last_mode == "cuda_graph"
-    assert len(captured) == 2  # one greedy and one sampled graph for this shape
+    assert len(captured) == 3  # one greedy and one sampled round for this shape; both start the same state
     assert len(prefills) == 1  # every prompt here is in the first width bucket
 
 
@@ -292,6 +293,8 @@ def test_failed_capture_falls_back_to_eager_with_one_warning(monkeypatch):
     messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     assert sum("row prefill" in m and "not permitted" in m for m in messages) == 1, messages
     assert sum(m.startswith("CUDA-graph capture failed for batch") and "not permitted" in m for m in messages) == 1
+    assert sum(m.startswith("CUDA-graph capture of a call's start failed") and "not permitted" in m
+               for m in messages) == 1
     assert engine.last_mode == "eager (capture failed: RuntimeError: operation not permitted when stream is capturing)"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the failure is remembered per shape: no second attempt, no second warning

@@ -153,9 +153,9 @@ def test_bad_engine_lookup_setting_is_named():
 
 def test_engine_lookup_compiled_and_graph_plumbing(monkeypatch):
     """Lookup rounds through torch.compile ("aot_eager": the same graphs and breaks as inductor, without its code
-    generation; greedy: one graph; sampled: breaks only at the draws' sums) and through
-    the cuda_graphs control flow (an eager stand-in on CPU): the eager lookup engine's tokens and rounds, greedy and sampled; a lookup setting is its own
-    captured shape."""
+    generation; greedy: one graph; sampled: breaks only at the draws' sums) and through the cuda_graphs control flow
+    (an eager stand-in on CPU): the eager lookup engine's tokens and rounds, greedy and sampled; a lookup setting is
+    its own captured shape."""
     from test_engine import _fake_capture
 
     target = build_target("llama", seed=5)
@@ -188,13 +188,14 @@ def test_engine_lookup_compiled_and_graph_plumbing(monkeypatch):
     graphed = SpeculativeEngine(target, drafter, max_len=340, cuda_graphs=True)
     plain = graphed.generate(prompts, max_new_tokens=20)
     assert graphed.generate(prompts, **kw) == ref and (graphed.rounds, graphed.lookup_rounds) == ref_rounds
-    # without lookup one graph; with lookup two: the drafted round and the round that skips the drafter
-    assert graphed.last_mode == "cuda_graph" and len(captured) == 3
+    # without lookup one round and the call's start; with lookup two rounds (drafted, and skipping the drafter) and a
+    # start that computes the first lookup
+    assert graphed.last_mode == "cuda_graph" and len(captured) == 5
     assert graphed.skipped_drafts > 0
     assert plain == ref  # greedy either way
     # sampled lookup rounds through the same loop (two more captures): the eager engine's tokens and rounds
     assert graphed.generate(prompts, do_sample=True, temperature=0.8, seed=3, **kw) == sampled
-    assert (graphed.rounds, graphed.lookup_rounds) == sampled_rounds and len(captured) == 5
+    assert (graphed.rounds, graphed.lookup_rounds) == sampled_rounds and len(captured) == 7
 
 
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampled"])

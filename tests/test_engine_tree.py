@@ -389,7 +389,8 @@ def test_sampled_tree_rounds_compiled_and_captured_equal_eager(monkeypatch):
     monkeypatch.setattr(refill_mod, "capture_round", _fake_capture([]))  # the row prefill's graphs: stand-ins too
     graphed = SpeculativeEngine(target, drafter, max_len=96, cuda_graphs=True)
     assert graphed.generate(prompts, **kw) == ref and graphed.rounds == eager.rounds
-    assert len(captured) == 1 and graphed.last_mode == "cuda_graph"
-    # the greedy call of the same tree is its own shape (a second capture) and still plain greedy decoding
+    assert len(captured) == 2 and graphed.last_mode == "cuda_graph"  # the round and the call's start
+    # the greedy call of the same tree is its own shape (its own round and, its state holding fewer uniforms per row,
+    # its own start) and still plain greedy decoding
     greedy = {x: v for x, v in kw.items() if x not in ("do_sample", "temperature", "seed")}
-    assert graphed.generate(prompts, **greedy) == _greedy_refs(target, prompts, 20) and len(captured) == 2
+    assert graphed.generate(prompts, **greedy) == _greedy_refs(target, prompts, 20) and len(captured) == 4

@@ -311,27 +311,25 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
 
         # prefill (not compiled: its width depends on the prompts): prompts left-aligned at position 0; positions past
         # a row's prompt hold padding for now, overwritten by that row's rounds before any query can see them
-        plen = torch.tensor([len(p) for p in prompts[:b]], device=dev)
-        width = int(plen.max())
-        toks = torch.zeros(b, width, dtype=torch.long, device=dev)
-        for r, p in enumerate(prompts[:b]):
-            toks[r, : len(p)] = torch.tensor(p, device=dev)
+        st.stage(prompts[:b], eos)
         can_capture = self.cuda_graphs and _is_cuda(dev) and not self.profile
         if self.row_prefill if self.row_prefill is not None else can_capture:
             # row by row through the refill's width-bucket graphs (`refill.py`): an eager prefill of the 135M
             # reference target took 45-84 ms on the H200's host (launch-bound), 26-50 captured plain decoding steps
             prefill = self._row_prefill(st, b, can_capture)
-            anchor = first_token(torch.cat([prefill(r, p).clone() for r, p in enumerate(prompts[:b])]))  # [b]
+            if b == 1:  # the prefill's own logits buffer [1, V], read before anything overwrites it
+                st.first.copy_(first_token(prefill(0, prompts[0])))
+            else:  # rows of one width bucket share that buffer: each row's logits cloned before the next prefill
+                st.first.copy_(first_token(torch.cat([prefill(r, p).clone() for r, p in enumerate(prompts[:b])])))
         else:
+            width = max(len(p) for p in prompts[:b])
             pos = self._steps[:width][None].expand(b, -1)
-            logits, feats = self._target_forward(st.cache, toks, pos)
-            anchor = first_token(logits[torch.arange(b, device=dev), plen - 1])
+            logits, feats = self._target_forward(st.cache, st.prompt[:, :width], pos)
+            st.first.copy_(first_token(logits[torch.arange(b, device=dev), st.plen - 1]))
             if self.drafter is not None:
                 st.dcache.write(self.drafter, self.drafter.fuse(feats), pos)
-        st.reset(anchor, plen, eos, toks)
         st.temperature.fill_(temperature)
-        if lookup:  # the first round's lookup (later rounds compute the next one's at their end)
-            st.flags[1] = self._lookup_next(st, lookup)
+        self._start(st, lookup, can_capture)
 
         def refill(r, p):  # continuous batching: prompt p into row r alone (`refill.py`; captured like the rounds)
             st.reset_row(r, first_token(prefill(r, p))[0], len(p), torch.tensor(p, device=dev))
@@ -341,8 +339,11 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         waiting = list(range(b, n))
 
         def read_out(rows):  # finished rows' outputs and round logs, one transfer for all of them
-            idx = torch.tensor(rows, device=dev)
-            out, n_out, acc, lk, rnd = (x[idx].tolist() for x in (st.out, st.n_out, st.accepted, st.looked, st.round))
+            cap, m = st.out.shape[1], st.accepted.shape[1]
+            packed = torch.cat([st.out, st.accepted, st.looked.long(), st.n_out[:, None], st.round[:, None]], 1)
+            packed = packed[torch.tensor(rows, device=dev)].tolist()  # [rows, cap + 2m + 2]
+            out, acc, lk = ([x[a:e] for x in packed] for a, e in ((0, cap), (cap, cap + m), (cap + m, cap + 2 * m)))
+            n_out, rnd = [x[-2] for x in packed], [x[-1] for x in packed]
             for j, r in enumerate(rows):
                 i, cols = slot[r], min(rnd[j], st.accepted.shape[1])
                 outputs[i] = out[j][: n_out[j]]
@@ -392,6 +393,32 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         read_out([r for r in range(b) if slot[r] is not None])
         self.rounds, self.lookup_rounds = rounds, looked
         return outputs
+
+    def _begin(self, st: DecodeState, lookup: int) -> None:
+        """Start every row on its staged prompt and compute the first round's lookup (later rounds compute the next
+        one's at their end)."""
+        st.start()
+        if lookup:
+            st.flags[1] = self._lookup_next(st, lookup)
+
+    def _start(self, st: DecodeState, lookup: int, use_graphs: bool) -> None:
+        """`_begin`, as a graph captured once per state and lookup where the rounds are captured. Why: run eagerly it
+        is about 150 small ops (the lookup alone 90, at batch 1 with lookup: `tests/test_engine.py` counts them), each
+        a host-side launch; on the H200's host a call's eager ops around its rounds cost about 7 ms
+        (`examples/results/h200-2026-12-02f`), a tenth of a batch-1 tree call."""
+        key = ("start", id(st), lookup)
+        if use_graphs and key not in self._graphs:
+            try:
+                self._graphs[key] = capture_round(lambda: self._begin(st, lookup), st.tensors())
+            except Exception as e:  # noqa: BLE001  (as for rounds: what cannot be captured runs eagerly)
+                self._graphs[key] = f"{type(e).__name__}: {e}"
+                warnings.warn(f"CUDA-graph capture of a call's start failed; starting eagerly: {self._graphs[key]}",
+                              stacklevel=3)
+        graph = self._graphs.get(key) if use_graphs else None
+        if graph is not None and not isinstance(graph, str):
+            graph.replay()
+        else:
+            self._begin(st, lookup)
 
     def _row_prefill(self, st: DecodeState, b: int, use_graphs: bool) -> RowPrefill:
         """The row prefill of batch b (staging caches, one graph per prompt-width bucket), made once."""

@@ -53,13 +53,33 @@ class DecodeState:
         # not split it and a CUDA graph can replay it
         self.noise = zeros(b, n_noise or 2 * k + 1, dtype=torch.float32)
         self.temperature = torch.ones((), dtype=torch.float32, device=device)
+        # a call's prompts, staged for `start`: token ids (zeros past each prompt), lengths, first generated tokens.
+        # Static so that the start of a call (about 150 small ops with the first lookup) can be one replayed graph
+        self.prompt, self.plen, self.first = zeros(b, seq_len), zeros(b), zeros(b)
+
+    def stage(self, prompts: list[list[int]], eos) -> None:
+        """Copy a call's first b prompts (token-id lists) and EOS ids `[n_eos]` into the state: one host-to-device copy
+        per tensor, whatever b. The prefill reads `prompt`; `start` reads all of them and `first`."""
+        pad = self.prompt.shape[1]
+        self.prompt.copy_(torch.tensor([list(p) + [0] * (pad - len(p)) for p in prompts]))
+        self.plen.copy_(torch.tensor([len(p) for p in prompts]))
+        self.eos.copy_(eos)
+
+    def start(self) -> None:
+        """Every row starts its staged prompt (after the call's prefill has set `first`). Reads and writes only this
+        state's static tensors, so the engine replays it as a captured graph."""
+        self._load(slice(None), self.first, self.plen, self.prompt)
+        self.set_flags(torch.zeros_like(self.done[0]))
 
     def reset(self, anchor, plen, eos, prompt_tokens):
-        """Every row starts its prompt (after the call's prefill): `anchor` `[b]` first tokens, `plen` `[b]` prompt
-        lengths, `prompt_tokens` `[b, w]` (padding past a row's prompt: never read)."""
+        """`stage` + `start` from tensors: `anchor` `[b]` first tokens, `plen` `[b]` prompt lengths, `prompt_tokens`
+        `[b, w]` (padding past a row's prompt: never read)."""
+        self.prompt.zero_()
+        self.prompt[:, : prompt_tokens.shape[1]].copy_(prompt_tokens)
+        self.plen.copy_(plen)
+        self.first.copy_(anchor)
         self.eos.copy_(eos)
-        self._load(slice(None), anchor, plen, prompt_tokens)
-        self.set_flags(torch.zeros_like(self.done[0]))
+        self.start()
 
     def reset_row(self, r: int, anchor, plen: int, prompt) -> None:
         """Load a new prompt into row r alone (continuous batching: the row's previous request has finished and been

@@ -6,8 +6,9 @@ alternatives are therefore free, and a tree whose nodes are "the rank-r token at
 tree over ranks) covers the places where the top-1 chain usually breaks (the first one or two positions) at the
 price of more verified tokens. For a small target at batch 1 the verify forward should cost about the same for 16
 or 64 tokens (it is bound by kernel launches, not arithmetic), so more accepted tokens per verification is nearly
-free speed (on the H200, 63-node trees ran as fast as 31-node ones: `examples/results/h200-2026-12-01e/`). The tree's shape is fixed per call (a list of rank paths), so every round has the same shapes and runs as
-one CUDA graph like the linear rounds.
+free speed (on the H200, 63-node trees ran as fast as 31-node ones: `examples/results/h200-2026-12-01e/`). The tree's
+shape is fixed per call (a list of rank paths), so every round has the same shapes and runs as one CUDA graph like the
+linear rounds.
 
 Vocabulary: node 0 is the root (the anchor, the last committed token); node i >= 1 is the rank path
 `paths[i-1]` = (r_1, ..., r_d): the rank-r_d token of the drafter's depth-d distribution, child of the node whose
