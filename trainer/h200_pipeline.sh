@@ -643,7 +643,8 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
       flush; return
     fi
     IFS='|' read -r m d ds fl box <<< "$3"; D=""
-    for n in $d; do D="$D $n=$(drafter_dir $n)"; done
+    for n in $d; do  # NAME (a stashed drafter), or LABEL=NAME[,engine keys] (resolve_drafter), e.g. a setting beside it
+      if [[ $n == *=* ]]; then D="$D $(resolve_drafter $n)"; else D="$D $n=$(drafter_dir $n)"; fi; done
     CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${box:-${ENGINE_BOX:-300}} $(pin $1) python3 examples/benchmark.py --target $S/target --prompts_dir $A/prompts \
       --methods $m ${D:+--drafters $D} --datasets $ds --limit ${VLLM_LIMIT:-10} --max_new_tokens ${VLLM_MAX_NEW:-256} \
       --batch_sizes ${VLLM_BATCHES:-1 8} --cuda_graphs ${ENGINE_FLAGS:-} $fl --out $R/${stamp}_gpu$1_$2 > "$L/bench_${stamp}_gpu$1_$2.log" 2>&1 \
