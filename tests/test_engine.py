@@ -272,6 +272,43 @@ def test_graph_path_plumbing_with_eager_stand_in(monkeypatch, typ):
     assert len(prefills) == 1  # every prompt here is in the first width bucket
 
 
+def test_row_prefill_is_compiled_with_the_rounds(monkeypatch):
+    """With compile, the row prefill runs compiled as the rounds do, once per width bucket (a captured eager prefill
+    cost four plain decoding steps on the H200, `refill.py`), whole (no graph break), with the eager engine's tokens
+    and rounds; without compile it stays the plain method."""
+    fills = []
+    compiled = SpeculativeEngine._compiled
+
+    def spy(self, fn):  # records the widths the compiled prefill is called with
+        out = compiled(self, fn)
+        if getattr(fn, "__name__", "") != "_fill":
+            return out
+
+        def run(w):
+            fills.append(w)
+            return out(w)
+        return run
+
+    monkeypatch.setattr(SpeculativeEngine, "_compiled", spy)
+    target = build_target("llama", seed=5)
+    drafter = build_drafter(target, "dflash", True)
+    prompts = _prompts(2, (5, 140))  # two width buckets: 128 and 256
+    kw = dict(max_new_tokens=10, prompt_lookup_num_tokens=4)
+    ref = SpeculativeEngine(target, drafter, max_len=256)
+    expected = ref.generate(prompts, **kw), ref.rounds
+    engine = SpeculativeEngine(target, drafter, max_len=256, compile="aot_eager")
+    engine.row_prefill = True
+    torch._dynamo.utils.counters.clear()
+    assert (engine.generate(prompts, **kw), engine.rounds) == expected
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert sorted(set(fills)) == [128, 256]
+    plain = SpeculativeEngine(target, drafter, max_len=256)
+    plain.row_prefill = True
+    assert (plain.generate(prompts, **kw), plain.rounds) == expected
+    (prefill,) = plain._prefills.values()
+    assert prefill._fill_fn == prefill._fill
+
+
 def test_failed_capture_falls_back_to_eager_with_one_warning(monkeypatch):
     monkeypatch.setattr(engine_mod, "_is_cuda", lambda dev: True)
 
@@ -284,9 +321,9 @@ def test_failed_capture_falls_back_to_eager_with_one_warning(monkeypatch):
     monkeypatch.setattr(refill_mod, "capture_round", broken)  # the row prefill captures too (one graph per width)
     target = build_target("llama")
     drafter = build_drafter(target, "markov", True)
-    engine = SpeculativeEngine(target, drafter, max_len=128, cuda_graphs=True)
-    ref = SpeculativeEngine(target, drafter, max_len=128)
-    prompts = _prompts(0, (4, 70))  # two width buckets: the prefill stops trying after its first failure
+    engine = SpeculativeEngine(target, drafter, max_len=256, cuda_graphs=True)
+    ref = SpeculativeEngine(target, drafter, max_len=256)
+    prompts = _prompts(0, (4, 140))  # two width buckets: the prefill stops trying after its first failure
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert engine.generate(prompts, max_new_tokens=20) == ref.generate(prompts, max_new_tokens=20)

@@ -113,7 +113,8 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         "cuda_graph", "eager (no CUDA)", "eager (profile)", "eager (nothing to decode)" or "eager (capture failed:
         <error>)" (warned once per shape: a failed shape is not captured again).
 
-        compile=True runs each round through `torch.compile` (inductor, static shapes; the prefill is not compiled):
+        compile=True runs each round through `torch.compile` (inductor, static shapes; the row prefill too, once per
+        width bucket, `refill.py`; the batched eager prefill is not compiled):
         its fused kernels replace the dozens of small ones an HF decoder layer launches (unfused RMSNorm, RoPE,
         SiLU*up), which is where a batch-1 step of a small target spends its time. With cuda_graphs the compiled
         round is what gets captured, and `last_mode` gains "+compile". Compiled kernels may round differently
@@ -309,8 +310,8 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
                                                                                   device=dev))
             return last.argmax(-1)
 
-        # prefill (not compiled: its width depends on the prompts): prompts left-aligned at position 0; positions past
-        # a row's prompt hold padding for now, overwritten by that row's rounds before any query can see them
+        # prefill (batched: eager; row by row: compiled with the rounds): prompts left-aligned at position 0; positions
+        # past a row's prompt hold padding for now, overwritten by that row's rounds before any query can see them
         st.stage(prompts[:b], eos)
         can_capture = self.cuda_graphs and _is_cuda(dev) and not self.profile
         if self.row_prefill if self.row_prefill is not None else can_capture:

@@ -24,7 +24,10 @@ from ..modeling_drafter import DrafterStaticCache
 from .graphs import capture_round
 from .static_cache import TargetStaticCache
 
-WIDTH_ALIGN = 64  # prompt widths are padded up to a multiple of this: one captured graph per bucket
+# prompt widths are padded up to a multiple of this: one captured graph per bucket, and with compile one compile per
+# bucket (about as long as compiling a round). 128 rather than 64: the first 32 HumanEval / MT-Bench prompts (49-243
+# tokens) fall in 2 buckets instead of 3 / 4, and padded rows cost a launch-bound prefill next to nothing
+WIDTH_ALIGN = 128
 
 
 def width_bucket(n: int, max_len: int) -> int:
@@ -52,6 +55,11 @@ class RowPrefill:
         self.tokens: dict[int, torch.Tensor] = {}  # width -> [1, width] padded prompt
         self.logits: dict[int, torch.Tensor] = {}  # width -> [1, vocab] float32 logits at `last`
         self.graphs: dict[int, object] = {}  # width -> CUDAGraph, or None where capture failed (eager)
+        # compiled as the engine compiles its rounds (one compile per width bucket, on its first use): the captured
+        # eager forward still launches every unfused kernel of an HF decoder layer, and on the H200 a 135M prefill
+        # replayed in 4.2-4.5 ms (`examples/profile_engine.py`, h200-2026-12-03), four plain decoding steps, paid
+        # once per prompt and, under continuous batching, by every row while one refills
+        self._fill_fn = engine._compiled(self._fill) if engine.compile and not engine.profile else self._fill
 
     def width(self, n: int) -> int:
         return width_bucket(n, self.engine.max_len)
@@ -93,7 +101,7 @@ class RowPrefill:
                 own += self.st.cache.k + self.st.cache.v
                 if self.dcache is not None:
                     own += self.dcache.keys + self.dcache.values + self.st.dcache.keys + self.st.dcache.values
-                self.graphs[w] = capture_round(lambda: self._fill(w), own)
+                self.graphs[w] = capture_round(lambda: self._fill_fn(w), own)
             except Exception as e:  # noqa: BLE001  (as for rounds: what cannot be captured runs eagerly)
                 # a failed capture is a property of the model, not of the width: stop trying (one warning, no
                 # further capture attempts, each of which runs the prefill several times)
@@ -105,7 +113,7 @@ class RowPrefill:
         if graph is not None:
             graph.replay()
         else:
-            self._fill(w)
+            self._fill_fn(w)
         return self.logits[w]
 
 
