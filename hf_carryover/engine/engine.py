@@ -404,8 +404,8 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
 
     def _start(self, st: DecodeState, lookup: int, use_graphs: bool) -> None:
         """`_begin`, as a graph captured once per state and lookup where the rounds are captured. Why: run eagerly it
-        is about 150 small ops (the lookup alone 90, at batch 1 with lookup: `tests/test_engine.py` counts them), each
-        a host-side launch; on the H200's host a call's eager ops around its rounds cost about 7 ms
+        is 136 small ops at batch 1 with a tree and lookup (`examples/host_overhead.py`, `eager_ops`), each a
+        host-side launch; on the H200's host a call's eager ops around its rounds cost about 7 ms
         (`examples/results/h200-2026-12-02f`), a tenth of a batch-1 tree call."""
         key = ("start", id(st), lookup)
         if use_graphs and key not in self._graphs:

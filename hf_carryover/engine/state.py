@@ -54,7 +54,7 @@ class DecodeState:
         self.noise = zeros(b, n_noise or 2 * k + 1, dtype=torch.float32)
         self.temperature = torch.ones((), dtype=torch.float32, device=device)
         # a call's prompts, staged for `start`: token ids (zeros past each prompt), lengths, first generated tokens.
-        # Static so that the start of a call (about 150 small ops with the first lookup) can be one replayed graph
+        # Static so that the start of a call (136 small ops with a tree and the first lookup) can be one replayed graph
         self.prompt, self.plen, self.first = zeros(b, seq_len), zeros(b), zeros(b)
 
     def stage(self, prompts: list[list[int]], eos) -> None:
