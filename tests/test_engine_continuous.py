@@ -105,9 +105,10 @@ def test_batch_size_errors():
         engine.generate([], batch_size=2)
 
 
-def test_reset_row_loads_one_row_as_reset_loads_all():
-    """`DecodeState.reset_row` leaves row r exactly as `reset` leaves a row with that prompt (whatever a finished
-    request left there: stale carryover rows, lookup, round counters) and touches no other row."""
+def test_reset_row_loads_one_row_as_start_loads_all():
+    """`DecodeState.reset_row` leaves row r exactly as `stage` + `start` (a call's start) leave a row with that
+    prompt (whatever a finished request left there: stale carryover rows, lookup, round counters) and touches no other
+    row."""
     target = build_target("llama")
     engine = SpeculativeEngine(target, build_drafter(target, "dflash", True), max_len=64)
     engine.generate(_prompts(9, (5, 8)), max_new_tokens=10, prompt_lookup_num_tokens=3)
@@ -121,8 +122,9 @@ def test_reset_row_loads_one_row_as_reset_loads_all():
     prompt = torch.tensor([4, 9, 2, 7])
     st.reset_row(1, torch.tensor(11), 4, prompt)
     fresh = [t.clone() for t in own]
-    st.reset(torch.tensor([3, 11]), torch.tensor([2, 4]), st.eos.clone(), torch.stack([torch.tensor([5, 6, 0, 0]),
-                                                                                     prompt]))
+    st.stage([[5, 6], prompt.tolist()], st.eos.clone())
+    st.first.copy_(torch.tensor([3, 11]))
+    st.start()
     for name, new, old, ref in zip("anchor anchor_pos n_out done out accepted round carry_valid carry_pos seq looked "
                                    "look n_look flags carry".split(), fresh, before, own):
         assert torch.equal(new[0], old[0]), name  # the other row: untouched

@@ -207,7 +207,9 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         self._steps: torch.Tensor | None = None  # arange(max_len) on the device, shared by every round
         self._caches: dict = {}  # b -> (TargetStaticCache, DrafterStaticCache | None)
         self._states: dict = {}  # (b, k, cap, n_eos) -> DecodeState
-        self._graphs: dict = {}  # (b, k, cap, n_eos) -> CUDAGraph, or the error text of a failed capture
+        # (b, k, cap, n_eos, ...) of a round, or ("start", state id, lookup) of a call's start -> CUDAGraph, or the
+        # error text of a failed capture (`_capture_once`)
+        self._graphs: dict = {}
         self._prefills: dict = {}  # (b, graphs?) -> RowPrefill (the row prefill: refills and captured prefills)
         # how a call prefills its prompts: None = row by row through captured width-bucket graphs where the rounds
         # are captured (CUDA, cuda_graphs, no profiling), else one eager forward for the batch; True / False force
@@ -407,19 +409,15 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         is 136 small ops at batch 1 with a tree and lookup (`examples/host_overhead.py`, `eager_ops`), each a
         host-side launch; on the H200's host a call's eager ops around its rounds cost about 7 ms
         (`examples/results/h200-2026-12-02f`), a tenth of a batch-1 tree call."""
-        key = ("start", id(st), lookup)
-        if use_graphs and key not in self._graphs:
-            try:
-                self._graphs[key] = capture_round(lambda: self._begin(st, lookup), st.tensors())
-            except Exception as e:  # noqa: BLE001  (as for rounds: what cannot be captured runs eagerly)
-                self._graphs[key] = f"{type(e).__name__}: {e}"
-                warnings.warn(f"CUDA-graph capture of a call's start failed; starting eagerly: {self._graphs[key]}",
-                              stacklevel=3)
-        graph = self._graphs.get(key) if use_graphs else None
+        begin = functools.partial(self._begin, st, lookup)
+        graph = None
+        if use_graphs:
+            graph = self._capture_once(("start", id(st), lookup), st, lambda: begin,
+                                       "CUDA-graph capture of a call's start failed; starting eagerly")
         if graph is not None and not isinstance(graph, str):
             graph.replay()
         else:
-            self._begin(st, lookup)
+            begin()
 
     def _row_prefill(self, st: DecodeState, b: int, use_graphs: bool) -> RowPrefill:
         """The row prefill of batch b (staging caches, one graph per prompt-width bucket), made once."""
@@ -480,22 +478,30 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
             return None, "eager (profile)"
         shape = None if tree is None else (tuple(tree.paths), nodes)
         key = (st.b, st.k, st.cap, st.eos.numel(), do_sample, lookup, draft, shape)
-        if key not in self._graphs:
-            if bool(st.done.all()):  # nothing to decode: do not capture on a finished state
-                return None, "eager (nothing to decode)"
-            try:
-                step = self._round_fn(do_sample, tree)
-                fn = (lambda: step(st, tree, lookup, nodes, do_sample)) if tree is not None else (
-                    lambda: step(st, do_sample, None, lookup, draft))
-                self._graphs[key] = capture_round(fn, st.tensors())
-            except Exception as e:  # noqa: BLE001  (any capture error: decode eagerly instead)
-                self._graphs[key] = f"{type(e).__name__}: {e}"
-                warnings.warn(f"CUDA-graph capture failed for batch {st.b}; decoding eagerly: {self._graphs[key]}",
-                              stacklevel=2)
-        entry = self._graphs[key]
+        if key not in self._graphs and bool(st.done.all()):  # nothing to decode: do not capture on a finished state
+            return None, "eager (nothing to decode)"
+
+        def make():  # the round to capture (made on a capture only)
+            step = self._round_fn(do_sample, tree)
+            return (lambda: step(st, tree, lookup, nodes, do_sample)) if tree is not None else (
+                lambda: step(st, do_sample, None, lookup, draft))
+        entry = self._capture_once(key, st, make, f"CUDA-graph capture failed for batch {st.b}; decoding eagerly")
         if isinstance(entry, str):
             return None, f"eager (capture failed: {entry})"
         return entry, "cuda_graph+compile" if self.compile else "cuda_graph"
+
+    def _capture_once(self, key, st: DecodeState, make, failure: str):
+        """The CUDA graph of `key` (a round shape, or a call's start), captured on its first use from the function
+        `make()` returns, which reads and writes `st` and its caches; or, where that capture raised, the error's text:
+        remembered, so the key runs eagerly from then on (never with a broken graph), and warned about once
+        ("`failure`: error")."""
+        if key not in self._graphs:
+            try:
+                self._graphs[key] = capture_round(make(), st.tensors())
+            except Exception as e:  # noqa: BLE001  (any capture error: run eagerly instead)
+                self._graphs[key] = f"{type(e).__name__}: {e}"
+                warnings.warn(f"{failure}: {self._graphs[key]}", stacklevel=3)
+        return self._graphs[key]
 
     @property
     def tau(self) -> float:

@@ -57,7 +57,7 @@ class RowPrefill:
         self.graphs: dict[int, object] = {}  # width -> CUDAGraph, or None where capture failed (eager)
         # compiled as the engine compiles its rounds (one compile per width bucket, on its first use): the captured
         # eager forward still launches every unfused kernel of an HF decoder layer, and on the H200 a 135M prefill
-        # replayed in 4.2-4.5 ms (`examples/profile_engine.py`, h200-2026-12-03), four plain decoding steps, paid
+        # replayed in 4.2-4.4 ms (`examples/profile_engine.py`, h200-2026-12-03), four plain decoding steps, paid
         # once per prompt and, under continuous batching, by every row while one refills
         self._fill_fn = engine._compiled(self._fill) if engine.compile and not engine.profile else self._fill
 

@@ -71,19 +71,9 @@ class DecodeState:
         self._load(slice(None), self.first, self.plen, self.prompt)
         self.set_flags(torch.zeros_like(self.done[0]))
 
-    def reset(self, anchor, plen, eos, prompt_tokens):
-        """`stage` + `start` from tensors: `anchor` `[b]` first tokens, `plen` `[b]` prompt lengths, `prompt_tokens`
-        `[b, w]` (padding past a row's prompt: never read)."""
-        self.prompt.zero_()
-        self.prompt[:, : prompt_tokens.shape[1]].copy_(prompt_tokens)
-        self.plen.copy_(plen)
-        self.first.copy_(anchor)
-        self.eos.copy_(eos)
-        self.start()
-
     def reset_row(self, r: int, anchor, plen: int, prompt) -> None:
         """Load a new prompt into row r alone (continuous batching: the row's previous request has finished and been
-        read out), as `reset` loads every row. `anchor` is a 0-d token tensor, `prompt` `[plen]` the prompt's ids.
+        read out), as `start` loads every row. `anchor` is a 0-d token tensor, `prompt` `[plen]` the prompt's ids.
         The other rows are untouched; the caller refreshes `flags` (and the lookup) afterwards."""
         self._load(slice(r, r + 1), anchor.reshape(1), torch.full((1,), plen, device=self.anchor.device), prompt[None])
 
