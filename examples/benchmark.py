@@ -149,14 +149,18 @@ def run_hf(target, prompts, max_new, temperature=0.0, static_rounds=None, tree=N
             **({"tau_from": "target forward count"} if own_loop else {}), **mode}
 
 
-def make_engine(target, drafter, max_len, profile=False, cuda_graphs=False, compile=False, compile_options=None):
+def make_engine(target, drafter, max_len, profile=False, cuda_graphs=False, compile=False, compile_options=None,
+                engine_options=None):
     """The engine for a drafter's rows; a drafter spec's engine keys (evaluate_tau's `ENGINE_KEYS`, e.g.
-    `NAME=FOLDER,lookup_min_ngram=2`) are passed on, so two specs of one folder time two engine settings."""
+    `NAME=FOLDER,lookup_min_ngram=2`) are passed on over `engine_options` (--engine_options, every engine), so two
+    specs of one folder time two engine settings."""
     from hf_carryover.engine.engine import SpeculativeEngine
 
-    return SpeculativeEngine(target, drafter, max_len=max_len, profile=profile, cuda_graphs=cuda_graphs,
-                             compile=compile, compile_options=compile_options,
-                             **(getattr(drafter, "_eval_engine", None) or {}))
+    options = {**(engine_options or {}), **(getattr(drafter, "_eval_engine", None) or {})}
+    engine = SpeculativeEngine(target, drafter, max_len=max_len, profile=profile, cuda_graphs=cuda_graphs,
+                               compile=compile, compile_options=compile_options, **options)
+    engine.options = options  # what run_engine records in each row
+    return engine
 
 
 def parse_inductor_options(pairs) -> dict:
@@ -174,6 +178,23 @@ def parse_inductor_options(pairs) -> dict:
         except (ValueError, SyntaxError):
             raise SystemExit(f"inductor option {pair!r}: expected KEY=VALUE with a Python literal, e.g. "
                              "freezing=True") from None
+    return opts
+
+
+def parse_engine_options(pairs) -> dict:
+    """["attention=triton", "attention_block_n=128"] -> {"attention": "triton", "attention_block_n": 128}: Python
+    literals where a value is one, else the text; a pair without "=" is refused by name."""
+    import ast
+
+    opts = {}
+    for pair in pairs:
+        key, sep, val = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"engine option {pair!r}: expected KEY=VALUE, e.g. attention=triton")
+        try:
+            opts[key] = ast.literal_eval(val)
+        except (ValueError, SyntaxError):
+            opts[key] = val
     return opts
 
 
@@ -229,8 +250,8 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
             print(f"warning: {len(prompts)} prompts in static batches of {batch} leave a last batch of "
                   f"{len(prompts) % batch} rows, which flatters speculative rows against AR; use a multiple of "
                   f"{batch} (--limit)", file=sys.stderr)
-    settings = getattr(engine.drafter, "_eval_engine", None)
-    if settings:  # engine keys of the drafter's spec (make_engine), so a row says which setting it timed
+    settings = getattr(engine, "options", None)
+    if settings:  # --engine_options and the drafter spec's engine keys (make_engine): the setting a row timed
         res["engine_options"] = dict(settings)
     if engine.fused_projections is not None:  # GEMMs the frozen-weight pass merged in this row's engine so far
         res["fused_gemms"] = engine.fused_projections.fused  # (hf_carryover/engine/fuse_projections.py; until
@@ -283,11 +304,15 @@ def main():
                    help="with --compile: inductor options for the engine's compiled rounds, e.g. freezing=True (the "
                    "weights compiled in as constants, so q/k/v and gate/up merge into one GEMM each); recorded in "
                    "every engine row as compile_options")
+    p.add_argument("--engine_options", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="SpeculativeEngine arguments for every engine row, AR included (e.g. attention=triton "
+                   "attention_block_n=128); a drafter spec's own engine keys win; recorded as engine_options")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if args.passes < 1:
         p.error(f"--passes must be at least 1, not {args.passes}")
     compile_options = parse_inductor_options(args.inductor)
+    engine_options = parse_engine_options(args.engine_options)
     if compile_options and not args.compile:
         p.error("--inductor sets options of the compiled rounds: it needs --compile")
 
@@ -329,7 +354,7 @@ def main():
             k = d.config.block_size if d is not None else (args.lookup or 0) + 1
             extra = max(m or trees[name].num_nodes for m in tree_sizes) if tree else 0
             engines[key] = make_engine(target, d, longest + args.max_new_tokens + 2 * k + extra, args.profile,
-                                       args.cuda_graphs, args.compile, compile_options)
+                                       args.cuda_graphs, args.compile, compile_options, engine_options)
         return engines[key]
 
     T = args.temperature

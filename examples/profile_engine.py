@@ -115,13 +115,12 @@ def kernel_profile(fn, n: int) -> dict:
 
 def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, lookup=None, parts=False) -> dict:
     """One mode's figures (module docstring); `save(res)` stores what is measured so far."""
-    from hf_carryover.engine.attention import engine_attention
     from hf_carryover.engine.engine import SpeculativeEngine
 
     longest = max(len(p) for p in prompts)
     k = drafter.config.num_proposals if drafter is not None else (lookup or 0)
     eng = SpeculativeEngine(target, drafter, max_len=longest + args.max_new_tokens + 2 * k + 2, cuda_graphs=True,
-                            compile=True, compile_options=args.compile_options)
+                            compile=True, compile_options=args.compile_options, **args.engine_kw)
     held = {}
     make_state = eng._state
 
@@ -158,7 +157,7 @@ def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, loo
         toks = torch.tensor([p], device=st.anchor.device)
         pos = eng._steps[: len(p)][None]
         pre.append(replay_ms(lambda: row_prefill(0, p), 3))
-        with engine_attention(eng.target):  # the target's attention as the engine's calls run it
+        with eng.attention_context():  # the target's attention as the engine's calls run it
             eager.append(replay_ms(lambda: eng._target_forward(st.cache, toks, pos), 3))
     # round graphs only: since 2026-12-03 a call's start is a captured graph too (`SpeculativeEngine._start`, keys
     # ("start", ...)), timed apart below; the profile of that day timed the start graph as `gpu_ms` by mistake
@@ -193,7 +192,6 @@ def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, loo
 def part_times(args, eng, st, tree) -> dict:
     """The drafter's block forward and the target's forward over 1 and over N+1 rows, each compiled and captured
     alone on the engine's state (their writes land at or past the finished rows' anchors: masked, as in the engine)."""
-    from hf_carryover.engine.attention import engine_attention
     from hf_carryover.engine.graphs import capture_round
 
     n = (tree.num_nodes if args.tree_nodes is None else args.tree_nodes) + 1 if tree is not None else st.k + 1
@@ -210,7 +208,7 @@ def part_times(args, eng, st, tree) -> dict:
     }
     out = {}
     for name, fn in fns.items():
-        with engine_attention(eng.target):  # compiled and captured with the attention the engine's rounds use
+        with eng.attention_context():  # compiled and captured with the attention the engine's rounds use
             g = capture_round(fn, st.tensors() + st.cache.k + st.cache.v)
         out[name] = {"gpu_ms": replay_ms(g.replay, args.replays), "kernels": kernel_profile(g.replay, 5)["total"]}
     return out
@@ -233,16 +231,19 @@ def main():
     p.add_argument("--modes", nargs="+", default=["ar", "lookup", "linear_lookup", "tree_lookup"],
                    choices=["ar", "lookup", "linear", "linear_lookup", "tree", "tree_lookup"])
     p.add_argument("--no_parts", action="store_true", help="skip the separately captured parts")
+    p.add_argument("--engine_options", nargs="*", default=[], metavar="KEY=VALUE", help="SpeculativeEngine "
+                   "arguments, e.g. attention=triton (benchmark.py's --engine_options)")
     p.add_argument("--inductor", nargs="*", default=[], help="inductor options KEY=VALUE (Python literals) for the "
                    "engine's compiled rounds and parts (its compile_options)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_engine.py times captured CUDA rounds: it needs a GPU")
-    from benchmark import parse_inductor_options
+    from benchmark import parse_engine_options, parse_inductor_options
 
     # e.g. freezing=True: the engine's compile_options, as benchmark.py --inductor passes them (rounds and parts alike)
     args.compile_options = parse_inductor_options(args.inductor)
+    args.engine_kw = parse_engine_options(args.engine_options)
     dtype = getattr(torch, args.dtype)
     target = load_target(args.target, dtype, "cuda")
     drafter = None
@@ -255,7 +256,8 @@ def main():
         tree = TreeSpec.load(args.tree)
     prompts = [r["input_ids"] for r in load_prompts(args.prompts_dir, args.dataset, args.limit)]
     eos = target.generation_config.eos_token_id
-    record = {"command": " ".join(sys.argv), "env": environment(), "inductor": args.inductor, "modes": []}
+    record = {"command": " ".join(sys.argv), "env": environment(), "inductor": args.inductor,
+              "engine_options": args.engine_kw, "modes": []}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     spec = {"ar": (None, None, None), "lookup": (None, None, args.lookup), "linear": (drafter, None, None),
             "linear_lookup": (drafter, None, args.lookup), "tree": (drafter, tree, None),

@@ -12,7 +12,10 @@ kernel. This script times the alternatives the engine could take, each compiled 
   * `gqa`: SDPA with `enable_gqa=True` and the mask (no repeated K/V);
   * `flex`: `flex_attention` with `enable_gqa=True` and a mask_mod that reads the same boolean mask, one BlockMask
     over the whole cache made once (what a capture-safe flex attention function would do);
-  * `window<W>`: `hf` over the first W keys only (what per-length graphs would read).
+  * `window<W>`: `hf` over the first W keys only (what per-length graphs would read);
+  * `triton_<mode><BLOCK_N>[w<warps>]`, e.g. `triton_scan64`, `triton_skip128w8`: the engine's Triton kernel
+    (`hf_carryover/engine/triton_attention.py`, `SpeculativeEngine(attention="triton")`), which reads only the keys
+    some query row sees.
 
 Each row records microseconds per layer and the largest difference from a float64 reference.
 
@@ -59,6 +62,14 @@ def repeat_kv(x, n):
 def layer_fn(variant, heads, kv_heads, mask, keys):
     """One layer's attention `(q, k, v) -> [1, heads, q_rows, head_dim]` for `variant`."""
     rep = heads // kv_heads
+    if variant.startswith("triton_"):
+        import re
+
+        from hf_carryover.engine.triton_attention import masked_gqa_attention
+
+        mode, block_n, warps = re.fullmatch(r"triton_(scan|skip)(\d+)(?:w(\d+))?", variant).groups()
+        return lambda q, k, v: masked_gqa_attention(q, k, v, mask, q.shape[-1] ** -0.5, mode, int(block_n),
+                                                    int(warps or 4)).transpose(1, 2)  # -> [1, heads, q, d]
     if variant.startswith("window"):
         w = int(variant[len("window"):])
         m = mask[..., :w]

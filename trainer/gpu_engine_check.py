@@ -32,6 +32,7 @@ engine runs eagerly ("eager (no CUDA)"), so only the plumbing is checked there.
 """
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -45,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check import smollm2_shaped  # noqa: E402
 
 from hf_carryover import Drafter  # noqa: E402
-from hf_carryover.engine.engine import SpeculativeEngine  # noqa: E402
+from hf_carryover.engine.engine import SpeculativeEngine as Engine  # noqa: E402
 from hf_carryover.engine.tree import TreeSpec  # noqa: E402
 
 TINY = dict(vocab_size=128, hidden_size=48, intermediate_size=96, num_hidden_layers=6, num_attention_heads=3,
@@ -133,6 +134,9 @@ def main():
     p.add_argument("--tree_nodes", type=int, default=None, help="with --tree: the N likeliest nodes a round (dynamic)")
     p.add_argument("--continuous", action="store_true", help="fp32 rows: continuous batching (both prompt sets through "
                    "b rows, refilled) against the static reference, per engine")
+    p.add_argument("--attention", default="sdpa", choices=["sdpa", "triton"], help="every engine's attention "
+                   "(SpeculativeEngine(attention=...)): 'triton' checks the engine's Triton kernel against plain "
+                   "decoding")
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True, "
                    "warn_only=True) and CUBLAS_WORKSPACE_CONFIG=:4096:8: does run-to-run or eager/replay variation go?")
     args = p.parse_args()
@@ -169,7 +173,7 @@ def main():
            "target": args.target or "random SmolLM2-shaped",
            "drafter": args.drafter or "random dflash (Carryover on)",
            "prompts": f"{args.prompts_dir}/{args.dataset}" if real else "random tokens", "lookup": args.lookup,
-           "tree": args.tree, "tree_nodes": args.tree_nodes,
+           "tree": args.tree, "tree_nodes": args.tree_nodes, "attention": args.attention,
            "deterministic": args.deterministic, "continuous": args.continuous,
            "rows": []}
     lk0 = {"prompt_lookup_num_tokens": args.lookup} if args.lookup else {}  # every engine call
@@ -179,6 +183,8 @@ def main():
         res["rows"].append(row)
         Path(args.out).write_text(json.dumps(res, indent=2))
         print(json.dumps(row), flush=True)
+
+    SpeculativeEngine = functools.partial(Engine, attention=args.attention)
 
     def engines(target, kind):
         drafter = check_drafter(target, args.drafter, args.device) if kind == "dflash" else None

@@ -576,7 +576,8 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
   # "check" runs the fp32 exactness check of compiled rounds (CHECK_SECONDS, CHECK_KINDS, CHECK_BATCHES, CHECK_LOOKUP,
   # CHECK_DETERMINISTIC=1, CHECK_CONTINUOUS=1: continuous batching against static too, CHECK_COMPILE=0: graph
   # engines without the compiled one, CHECK_INDUCTOR="freezing=True": the compiled engine's inductor options,
-  # CHECK_TREE=N with CHECK_DRAFTER: its draft_tree.json, N nodes a round): a random drafter, or with CHECK_DRAFTER=NAME a trained one on the real target, also
+  # CHECK_TREE=N with CHECK_DRAFTER: its draft_tree.json, N nodes a round, CHECK_ATTENTION=triton: every engine on the
+  # Triton attention kernel): a random drafter, or with CHECK_DRAFTER=NAME a trained one on the real target, also
   # against plain greedy decoding. The job
   # "gencheck" checks generate()'s static rounds (trainer/gpu_generate_check.py, GENCHECK_* below). The job
   # "replaydiff" compares eager and replayed rounds round by round (trainer/gpu_replay_diff.py, REPLAY_* below).
@@ -594,7 +595,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
         --kinds ${CHECK_KINDS:-dflash} --batch_sizes ${CHECK_BATCHES:-1} $T ${CHECK_LOOKUP:+--lookup $CHECK_LOOKUP} \
         ${CHECK_DETERMINISTIC:+--deterministic} ${CHECK_CONTINUOUS:+--continuous} \
         ${CHECK_INDUCTOR:+--inductor $CHECK_INDUCTOR} ${CHECK_TREE:+--tree ${f:?CHECK_TREE needs CHECK_DRAFTER}/draft_tree.json \
-        --tree_nodes $CHECK_TREE} --out $R/${stamp}_engine_check_fp32.json \
+        --tree_nodes $CHECK_TREE} ${CHECK_ATTENTION:+--attention $CHECK_ATTENTION} --out $R/${stamp}_engine_check_fp32.json \
         > "$L/check_$stamp.log" 2>&1 || log "engine check stopped: $?"
       flush; return
     fi
@@ -608,15 +609,18 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
     fi
     if [ "$3" = engprofile ]; then  # examples/profile_engine.py: where a captured round's time goes (batch 1, bf16),
       # PROFILE_DRAFTER (default dflash-carryover-gated) with its draft_tree.json, once per PROFILE_INDUCTOR variant
-      # (';'-separated inductor option lists, "-" for none), modes PROFILE_MODES, PROFILE_ARGS added
+      # (';'-separated inductor option lists, "-" for none) and PROFILE_ENGINE variant (';'-separated engine option
+      # lists, e.g. "-;attention=triton"), modes PROFILE_MODES, PROFILE_ARGS added
       f=$(drafter_dir ${PROFILE_DRAFTER:-dflash-carryover-gated})
-      IFS=';' read -ra V <<< "${PROFILE_INDUCTOR:--}"; i=0
+      IFS=';' read -ra V <<< "${PROFILE_INDUCTOR:--}"; IFS=';' read -ra EV <<< "${PROFILE_ENGINE:--}"; i=0
       for v in "${V[@]}"; do v=$(sed 's/^ *//; s/ *$//' <<< "$v"); [ "$v" = - ] && v=""
-        CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${PROFILE_SECONDS:-300} $(pin $1) python3 examples/profile_engine.py \
-          --drafter $f --tree $f/draft_tree.json --prompts_dir $A/prompts --modes ${PROFILE_MODES:-ar tree_lookup} \
-          ${v:+--inductor $v} ${PROFILE_ARGS:-} --out $R/${stamp}_profile_engine_$i.json \
-          > "$L/engprofile_${stamp}_$i.log" 2>&1 || log "engine profile $i stopped: $?"
-        flush; i=$((i+1))
+        for e in "${EV[@]}"; do e=$(sed 's/^ *//; s/ *$//' <<< "$e"); [ "$e" = - ] && e=""
+          CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${PROFILE_SECONDS:-300} $(pin $1) python3 examples/profile_engine.py \
+            --drafter $f --tree $f/draft_tree.json --prompts_dir $A/prompts --modes ${PROFILE_MODES:-ar tree_lookup} \
+            ${v:+--inductor $v} ${e:+--engine_options $e} ${PROFILE_ARGS:-} --out $R/${stamp}_profile_engine_$i.json \
+            > "$L/engprofile_${stamp}_$i.log" 2>&1 || log "engine profile $i stopped: $?"
+          flush; i=$((i+1))
+        done
       done
       return
     fi

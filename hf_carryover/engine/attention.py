@@ -16,6 +16,11 @@ mask) v over the same keys, per query head with its group's K/V head. Calls it d
 mask, no grouped heads, or extra arguments that change the result: `softcap`, `position_bias`, attention sinks) go
 to transformers' own SDPA function unchanged. Implementations that cannot take a 4D mask (flash, flex, paged) are
 refused by name (`check_attention`).
+
+`SpeculativeEngine(attention="triton")` switches to `TRITON_ATTENTION` instead: the same attention through
+`triton_attention.masked_gqa_attention`, a kernel that reads only the keys some query row sees (the cache is
+`max_len` slots; the committed context is usually far shorter). Inputs that kernel does not take go to
+`gqa_sdpa_attention`, as above.
 """
 
 from __future__ import annotations
@@ -27,7 +32,12 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .triton_attention import check_inputs, masked_gqa_attention
+
 ATTENTION = "carryover_sdpa_gqa"
+TRITON_ATTENTION = "carryover_triton_gqa"
+# the Triton kernel's settings during a decoding call (`engine_attention`); torch.compile guards on them
+TRITON_SETTINGS = {"mode": "scan", "block_n": 64, "num_warps": 4}
 # keyword arguments that change what attention computes; a call carrying any of them is left to transformers
 _NOT_HANDLED = ("softcap", "position_bias", "s_aux", "sinks")
 
@@ -45,8 +55,23 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     return out.transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(ATTENTION, gqa_sdpa_attention)
-AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # masks built by transformers (none in engine rounds) as sdpa's
+def triton_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                         **kwargs):
+    """`gqa_sdpa_attention`'s contract through the Triton kernel (`TRITON_SETTINGS`); what the kernel does not take
+    (no or non-boolean mask, dropout, `softcap`, odd head dims, ...) goes to `gqa_sdpa_attention`."""
+    st = TRITON_SETTINGS
+    if (dropout or any(kwargs.get(k) is not None for k in _NOT_HANDLED)
+            or check_inputs(query, key, value, attention_mask, st["mode"], st["block_n"]) is not None):
+        return gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return masked_gqa_attention(query, key, value, attention_mask, scale, st["mode"], st["block_n"],
+                                st["num_warps"]), None
+
+
+for _name, _fn in ((ATTENTION, gqa_sdpa_attention), (TRITON_ATTENTION, triton_gqa_attention)):
+    AttentionInterface.register(_name, _fn)
+    AttentionMaskInterface.register(_name, sdpa_mask)  # masks built by transformers (none in engine rounds) as sdpa's
 
 
 # implementations that cannot take the engine's 4D boolean mask over a static cache
@@ -65,8 +90,9 @@ def check_attention(target) -> str:
 
 
 @contextmanager
-def engine_attention(target):
-    """Run the body with `target`'s language model on `ATTENTION` if it uses "sdpa" or "eager", then put its
+def engine_attention(target, name: str = ATTENTION, triton_settings: dict | None = None):
+    """Run the body with `target`'s language model on `name` (`ATTENTION`, or `TRITON_ATTENTION` with
+    `triton_settings`) if it uses "sdpa" or "eager", then put its
     implementation back, also after an error. "eager" is switched too: it adds the mask to the scores, so a boolean
     mask would add 0/1 instead of masking (the engine needs neither its attention weights nor its kernels). Only the
     text config is switched: its attention modules are the ones the engine's rounds run."""
@@ -75,11 +101,16 @@ def engine_attention(target):
     if check_attention(target) not in ("sdpa", "eager"):
         yield
         return
-    config._attn_implementation = ATTENTION
+    config._attn_implementation = name
+    saved = dict(TRITON_SETTINGS)
+    TRITON_SETTINGS.update(triton_settings or {})
     try:
         yield
     finally:
         config._attn_implementation = before
+        TRITON_SETTINGS.clear()
+        TRITON_SETTINGS.update(saved)
 
 
-__all__ = ["ATTENTION", "check_attention", "engine_attention", "gqa_sdpa_attention"]
+__all__ = ["ATTENTION", "TRITON_ATTENTION", "TRITON_SETTINGS", "check_attention", "engine_attention",
+           "gqa_sdpa_attention", "triton_gqa_attention"]

@@ -39,7 +39,9 @@ import warnings
 import torch
 
 from ..generation_carryover import eos_tensor
-from .attention import check_attention, engine_attention
+from .attention import TRITON_ATTENTION, check_attention, engine_attention
+from .triton_attention import MODES as TRITON_MODES
+from .triton_attention import available as triton_available
 from .fuse_projections import FuseSharedInputMatmuls
 from .graphs import capture_round
 from .linear_round import LinearRounds
@@ -69,7 +71,7 @@ def _decoding(method):
             if subs:
                 m.eval()
         try:
-            with engine_attention(self.target):
+            with self.attention_context():
                 return method(self, *args, **kwargs)
         finally:
             for sub in (sub for subs in training for sub in subs):
@@ -103,7 +105,9 @@ def check_inductor_options(options: dict) -> None:
 class SpeculativeEngine(LinearRounds, TreeRounds):
     def __init__(self, target, drafter=None, max_len: int = 2048, profile: bool = False, cuda_graphs: bool = False,
                  compile: bool | str = False, lookup_skips_drafter: bool = True, compile_options: dict | None = None,
-                 lookup_siblings: bool = True, lookup_confidence: float | None = None, lookup_min_ngram: int = 3):
+                 lookup_siblings: bool = True, lookup_confidence: float | None = None, lookup_min_ngram: int = 3,
+                 attention: str = "sdpa", attention_mode: str = "scan", attention_block_n: int = 64,
+                 attention_warps: int = 4):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -154,7 +158,25 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         so the option stays for such comparisons.
 
         lookup_min_ngram=n (context lookup): the shortest suffix that may match (the longest tried is 4). 3 is the
-        generate() path's rule; 2 finds more lookups, each less often right (`examples/results/cpu-2026-12-03`)."""
+        generate() path's rule; 2 finds more lookups, each less often right (`examples/results/cpu-2026-12-03`).
+
+        attention="triton": the target's attention in rounds and row prefills runs through
+        `triton_attention.masked_gqa_attention`, which reads only the cached keys some query row sees, instead of
+        SDPA over the whole `max_len` cache ("sdpa", `attention.py`). Its settings: `attention_mode` ("scan": find
+        the last seen key first; "skip": skip key blocks nobody sees), `attention_block_n` (keys per block) and
+        `attention_warps`. It needs Triton and a CUDA target (the CPU tests run it in Triton's interpreter)."""
+        if attention not in ("sdpa", "triton"):
+            raise ValueError(f"attention={attention!r}: 'sdpa' or 'triton'.")
+        self.attention = attention
+        self.attention_settings = {"mode": attention_mode, "block_n": int(attention_block_n),
+                                   "num_warps": int(attention_warps)}
+        if attention == "triton":
+            bn = int(attention_block_n)
+            why = (f"attention_mode={attention_mode!r}: one of {TRITON_MODES}" if attention_mode not in TRITON_MODES
+                   else f"attention_block_n={bn}: a power of two >= 16" if bn < 16 or bn & (bn - 1)
+                   else triton_available(target.device))
+            if why:
+                raise ValueError(f"attention='triton': {why}")
         if not 1 <= int(lookup_min_ngram) <= 4:
             raise ValueError(f"lookup_min_ngram={lookup_min_ngram}: between 1 and 4 (the longest suffix tried).")
         self.lookup_min_ngram = int(lookup_min_ngram)
@@ -215,6 +237,13 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         # are captured (CUDA, cuda_graphs, no profiling), else one eager forward for the batch; True / False force
         # the row prefill (eager off CUDA) / the batched one (tests compare the two)
         self.row_prefill: bool | None = None
+
+    def attention_context(self):
+        """The target's attention as this engine's rounds run it (`attention.engine_attention`): SDPA with grouped
+        heads, or the Triton kernel with this engine's settings (attention="triton")."""
+        if self.attention == "triton":
+            return engine_attention(self.target, TRITON_ATTENTION, self.attention_settings)
+        return engine_attention(self.target)
 
     # ------------------------------------------------------------------ static buffers
     def _state(self, b, k, max_new, n_eos, dev, dtype, n_noise=None) -> DecodeState:

@@ -1,0 +1,169 @@
+"""A Triton attention kernel for the engine's rounds: grouped K/V heads, the round's boolean mask, and only the keys
+some query row can see.
+
+Why: every engine round hands the target a boolean mask over its whole static cache (`max_len` slots, ~640 in the
+benchmark), and SDPA (cuDNN's kernel on the H200) reads all of them: 6.5 us a layer for one query row and 14.1 us for
+47 (`trainer/gpu_attention_bench.py`, `h200-2026-12-02f`), 0.21 ms of a 1.03 ms plain step. Most slots lie past the
+committed context; reading only the first 256 keys had saved 6.4 us a layer at 47 rows. A graph per window length
+would multiply the engine's captured rounds, so this kernel finds the used keys itself: the mask says which keys
+a row sees, and no row sees a slot past the round's last written position.
+
+What it computes: softmax(q k^T * scale, masked) v for every query head with its group's K/V head (transformers'
+`repeat_kv` convention: query head i reads K/V head i // groups), as `F.scaled_dot_product_attention(...,
+attn_mask=mask, enable_gqa=True)` does. One program takes one K/V head of one batch row and a block of its
+(query row, head-of-the-group) pairs, so each key block is read once for all the heads that share it. It keeps
+flash attention's running max and sum (fp32) over key blocks of `BLOCK_N`:
+
+  * `scan` (the default): a first pass over the mask finds the last key any of the program's rows sees; the second
+    pass walks the key blocks up to it. The mask pass has no branches, so its loads overlap.
+  * `skip`: one pass; a key block whose mask is empty for all the program's rows is skipped (its K/V never read).
+
+A row that sees no key gets zeros (SDPA gives NaN there); the engine never reads such a row. In float32 the
+products are exact IEEE products (no TF32), so fp32 greedy decoding can be checked against plain decoding.
+
+Off CUDA the same kernel runs in Triton's interpreter when TRITON_INTERPRET=1 was set before Triton was imported:
+that is how the CPU tests check it (slow, tests only; `tests/test_triton_attention.py` runs it in a subprocess).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the engine then keeps SDPA (`available()` says why)
+    triton = tl = None
+
+MODES = ("scan", "skip")
+
+
+def available(device: torch.device | str = "cuda") -> str | None:
+    """None when the kernel can run on `device`; otherwise why not."""
+    if triton is None:
+        return "Triton is not installed (pip install triton)"
+    if torch.device(device).type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
+        return "off CUDA the kernel runs only in Triton's interpreter (TRITON_INTERPRET=1 before Triton's import)"
+    return None
+
+
+def _attention_kernel(Q, K, V, M, O, n_q, n_keys, scale_log2,
+            sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, smb, smm, smn, sob, som, soh,
+            KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, KEY_BLOCKS: tl.constexpr, SCAN: tl.constexpr, PRECISION: tl.constexpr):
+    """Grid (batch * KV_HEADS, cdiv(n_q * GROUPS, BLOCK_M)). Row r of a program's block is query row r // GROUPS
+    with query head kv_head * GROUPS + r % GROUPS."""
+    b = tl.program_id(0) // KV_HEADS
+    h = tl.program_id(0) % KV_HEADS
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] (query row, head of the group) pairs
+    qi = rows // GROUPS
+    head = h * GROUPS + rows % GROUPS
+    row_ok = qi < n_q
+    d = tl.arange(0, D)
+    q = tl.load(Q + b * sqb + head[:, None] * sqh + qi[:, None] * sqm + d[None, :], mask=row_ok[:, None], other=0.0)
+    m_row = M + b * smb + qi * smm  # [BLOCK_M] mask row starts
+    k_base = K + b * skb + h * skh
+    v_base = V + b * svb + h * svh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scaled scores (log2 units)
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    n_end = n_keys
+    if SCAN:
+        # one past the last key any row of this block sees (loads without branches, so they overlap)
+        end = tl.zeros([BLOCK_M], tl.int32)
+        for j in tl.static_range(KEY_BLOCKS):
+            cols = j * BLOCK_N + tl.arange(0, BLOCK_N)
+            seen = tl.load(m_row[:, None] + cols[None, :] * smn, mask=row_ok[:, None] & (cols[None, :] < n_keys),
+                           other=0)
+            end = tl.maximum(end, tl.max(tl.where(seen != 0, cols[None, :] + 1, 0), 1))
+        n_end = tl.max(end, 0)
+    start = 0
+    while start < n_end:
+        cols = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        in_cache = cols < n_keys
+        seen = tl.load(m_row[:, None] + cols[None, :] * smn, mask=row_ok[:, None] & in_cache[None, :], other=0) != 0
+        if tl.max(tl.max(seen.to(tl.int32), 1), 0) > 0:  # some row sees a key of this block: fold it in
+            k = tl.load(k_base + cols[:, None] * skn + d[None, :], mask=in_cache[:, None], other=0.0)  # [BLOCK_N, D]
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet: exp2(-inf) = 0
+            alpha = tl.math.exp2(m_i - m_use)
+            p = tl.math.exp2(s - m_use[:, None])
+            v = tl.load(v_base + cols[:, None] * svn + d[None, :], mask=in_cache[:, None], other=0.0)  # [BLOCK_N, D]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+        start += BLOCK_N
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a row that saw no key: zeros
+    tl.store(O + b * sob + qi[:, None] * som + head[:, None] * soh + d[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+if triton is not None:
+    # with TRITON_INTERPRET=1 set before Triton's import, triton.jit gives the interpreter's version (CPU tensors)
+    _attention_kernel = triton.jit(_attention_kernel)
+
+
+def _launch(query, key, value, mask, scale, mode, block_n, num_warps):
+    b, heads, n_q, d = query.shape
+    kv_heads, n_keys = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    mask = mask.expand(b, 1, n_q, n_keys)  # a mask broadcast over the batch keeps stride 0
+    out = torch.empty(b, n_q, heads, d, dtype=query.dtype, device=query.device)  # [b, q, heads, d]: HF's layout
+    block_m = min(64, max(16, triton.next_power_of_2(n_q * groups)))
+    grid = (b * kv_heads, triton.cdiv(n_q * groups, block_m))
+    kw = {"num_warps": num_warps} if query.is_cuda else {}
+    # unit strides of the head dim are assumed (what transformers' projections give); checked by the caller
+    _attention_kernel[grid](query, key, value, mask, out, n_q, n_keys, scale * math.log2(math.e),
+                 query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+                 value.stride(0), value.stride(1), value.stride(2), mask.stride(0), mask.stride(2), mask.stride(3),
+                 out.stride(0), out.stride(1), out.stride(2),
+                 KV_HEADS=kv_heads, GROUPS=groups, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+                 KEY_BLOCKS=triton.cdiv(n_keys, block_n), SCAN=mode == "scan",
+                 PRECISION="ieee" if query.dtype == torch.float32 else "tf32", **kw)
+    return out
+
+
+@torch.library.custom_op("hf_carryover::masked_gqa_attention", mutates_args=())
+def masked_gqa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                         scale: float, mode: str = "scan", block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+    """query `[b, heads, q, d]`, key/value `[b, kv_heads, L, d]`, boolean mask `[b or 1, 1, q, L]` ->
+    `[b, q, heads, d]`. An opaque op to torch.compile (inductor calls it as it is) and capturable in CUDA graphs."""
+    return _launch(query, key, value, mask, scale, mode, block_n, num_warps)
+
+
+@masked_gqa_attention.register_fake
+def _(query, key, value, mask, scale, mode="scan", block_n=64, num_warps=4):
+    b, heads, n_q, d = query.shape
+    return query.new_empty(b, n_q, heads, d)
+
+
+def check_inputs(query, key, value, mask, mode="scan", block_n=64) -> str | None:
+    """None when `masked_gqa_attention` takes these inputs; otherwise what it does not take (the caller then uses
+    SDPA)."""
+    if available(query.device) is not None:
+        return available(query.device)
+    if mode not in MODES:
+        return f"mode={mode!r}: one of {MODES}"
+    if block_n < 16 or block_n & (block_n - 1):
+        return f"block_n={block_n}: a power of two >= 16"
+    if mask is None or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1:
+        return "the kernel takes a boolean mask [b, 1, q, keys]"
+    d = query.shape[-1]
+    if d < 16 or d & (d - 1):
+        return f"head_dim={d}: a power of two >= 16"
+    if query.shape[1] % key.shape[1]:
+        return "query heads are not a multiple of the K/V heads"
+    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not query.dtype == key.dtype == value.dtype:
+        return f"dtypes {query.dtype}/{key.dtype}/{value.dtype}: one of float16, bfloat16, float32 for all three"
+    if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
+        return "the head dim must be contiguous"
+    return None
+
+
+__all__ = ["MODES", "available", "check_inputs", "masked_gqa_attention"]

@@ -1,0 +1,156 @@
+"""The engine's Triton attention kernel (`hf_carryover/engine/triton_attention.py`), checked on CPU in Triton's
+interpreter: the kernel against float64 SDPA on causal, tree-shaped, broadcast and empty masks, and engines with
+`attention="triton"` against plain greedy decoding (linear, tree + lookup, compiled rounds), sampled rounds against
+the SDPA engine's.
+
+The interpreter must be switched on before Triton is imported, and this process may have imported Triton already,
+so the checks run in a fresh interpreter (`_run`). They are slow (each kernel call is interpreted in numpy), so the
+models are tiny."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import build_target
+
+pytest.importorskip("triton")
+TESTS = Path(__file__).resolve().parent
+
+
+def _run(body: str) -> dict:
+    """Run `body` under TRITON_INTERPRET=1 in a new Python; it prints one JSON line last, returned here."""
+    script = "import json, torch, sys\nsys.path.insert(0, %r)\ntorch.set_num_threads(1)\n" % str(TESTS)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, "-c", script + textwrap.dedent(body)], env=env, capture_output=True,
+                         text=True, timeout=900, cwd=TESTS.parent)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_kernel_equals_sdpa_on_every_mask_the_engine_makes():
+    out = _run("""
+        import torch.nn.functional as F
+        from hf_carryover.engine.triton_attention import check_inputs, masked_gqa_attention
+
+        g = torch.Generator().manual_seed(0)
+        errs = {}
+
+        def case(name, b, heads, kvh, q, keys, mask, dtype=torch.float32, modes=("scan", "skip"), blocks=(16, 64)):
+            Q = torch.randn(b, heads, q, 64, generator=g).to(dtype)
+            K = torch.randn(b, kvh, keys, 64, generator=g).to(dtype)
+            V = torch.randn(b, kvh, keys, 64, generator=g).to(dtype)
+            assert check_inputs(Q, K, V, mask) is None
+            full = mask.expand(b, 1, q, keys)
+            ref = F.scaled_dot_product_attention(Q.double(), K.double(), V.double(), attn_mask=full,
+                                                 enable_gqa=True).transpose(1, 2)  # [b, q, heads, d]
+            ref = torch.nan_to_num(ref, nan=0.0)  # rows that see nothing: SDPA's NaN, the kernel's zeros
+            for mode in modes:
+                for bn in blocks:
+                    o = masked_gqa_attention(Q, K, V, mask, 64 ** -0.5, mode, bn)
+                    assert o.shape == (b, q, heads, 64) and o.dtype == dtype
+                    errs[f"{name}/{mode}{bn}"] = (o.double() - ref).abs().max().item()
+
+        keys = torch.arange(200)
+        # a linear round: query rows at positions 50.. / 120.. see keys at positions <= their own (200 keys: not a
+        # multiple of the 64-key blocks)
+        pos = torch.tensor([[50 + i for i in range(5)], [120 + i for i in range(5)]])
+        case("causal", 2, 9, 3, 5, 200, keys[None, None, None, :] <= pos[:, None, :, None])
+        # a tree round of 47 rows (141 rows of three heads: three row blocks): committed keys and random ancestors
+        anchor = torch.tensor([30, 90])
+        anc = torch.rand(2, 47, 47, generator=g) < 0.3
+        anc = anc.tril() | torch.eye(47, dtype=torch.bool)
+        rel = keys[None, :] - anchor[:, None]
+        inside = (rel >= 0) & (rel < 47)
+        cols = anc.gather(2, rel.clamp(0, 46)[:, None, :].expand(-1, 47, -1))
+        case("tree", 2, 9, 3, 47, 200, ((rel < 0)[:, None, :] | (inside[:, None, :] & cols))[:, None])
+        # one mask for the whole batch (stride 0), one head per K/V head, and a row that sees no key at all
+        m = keys[None, None, None, :] < torch.tensor([0, 3, 64, 65])[None, None, :, None]
+        case("broadcast_empty_row", 3, 4, 4, 4, 200, m)
+        # half precision: the kernel rounds its probabilities to the input dtype before the value product. fp16
+        # stands in for the H200's bf16, which Triton's interpreter multiplies wrongly (3.6 and 3.9: a bf16 tl.dot
+        # of two 16 x 16 tiles is off by ~1e10); `trainer/gpu_attention_bench.py` checks bf16 on the GPU
+        case("fp16", 2, 9, 3, 5, 200, keys[None, None, None, :] <= pos[:, None, :, None], dtype=torch.float16,
+             blocks=(64,))
+        Q, K = torch.zeros(1, 9, 2, 64), torch.zeros(1, 3, 64, 64)
+        refused = [check_inputs(Q, K, K, torch.zeros(1, 1, 2, 64)),  # additive mask
+                   check_inputs(torch.zeros(1, 9, 2, 8), torch.zeros(1, 3, 64, 8), torch.zeros(1, 3, 64, 8),
+                                torch.ones(1, 1, 2, 64, dtype=torch.bool)),  # head dim 8
+                   check_inputs(Q, K, K, torch.ones(1, 1, 2, 64, dtype=torch.bool), mode="other"),
+                   check_inputs(Q, K, K, torch.ones(1, 1, 2, 64, dtype=torch.bool), block_n=48)]
+        print(json.dumps({"errs": errs, "refused": refused}))
+    """)
+    errs = out["errs"]
+    assert len(errs) == 14
+    for name, err in errs.items():
+        assert err < (2e-3 if name.startswith("fp16") else 2e-6), (name, err)
+    assert errs["broadcast_empty_row/scan16"] < 2e-6  # the empty row's zeros are part of this comparison
+    refused = out["refused"]
+    assert "boolean mask" in refused[0] and "head_dim=8" in refused[1]
+    assert "mode='other'" in refused[2] and "block_n=48" in refused[3]
+
+
+def test_engine_with_triton_attention_decodes_plain_greedy_text():
+    """Engines on the kernel (qwen3: head dim 16) against plain greedy decoding: linear rounds and prefills, tree +
+    lookup rounds, and a compiled (aot_eager) tree round; a llama target with head dim 8 falls back to SDPA and stays
+    exact; sampled rounds draw the SDPA engine's tokens (fp32)."""
+    out = _run("""
+        from conftest import build_drafter, build_target
+        from test_engine import _greedy_refs, _prompts
+        from test_engine_tree import WIDE
+        from hf_carryover.engine import attention
+        from hf_carryover.engine.engine import SpeculativeEngine
+
+        calls = []
+        real = attention.masked_gqa_attention
+        attention.masked_gqa_attention = lambda *a: calls.append(a[0].shape) or real(*a)
+        res = {}
+        for arch in ("qwen3", "llama"):
+            target = build_target(arch)
+            prompts = _prompts(0, (1, 6, 13))
+            refs = _greedy_refs(target, prompts, 14)
+            drafter = build_drafter(target, "dflash", True)
+            calls.clear()
+            lin = SpeculativeEngine(target, drafter, max_len=64, attention="triton", attention_block_n=16)
+            res[arch + "_linear"] = lin.generate(prompts, max_new_tokens=14) == refs
+            res[arch + "_calls"] = len(calls)
+            tree = SpeculativeEngine(target, drafter, max_len=128, attention="triton", attention_mode="skip")
+            res[arch + "_tree"] = tree.generate(prompts, max_new_tokens=14, tree=WIDE, prompt_lookup_num_tokens=3,
+                                                tree_nodes=5) == refs
+        attention.masked_gqa_attention = real
+        target = build_target("qwen3")
+        drafter = build_drafter(target, "dflash", True)
+        prompts = _prompts(1, (4, 9))
+        refs = _greedy_refs(target, prompts, 12)
+        comp = SpeculativeEngine(target, drafter, max_len=128, attention="triton", compile="aot_eager")
+        res["compiled_tree"] = comp.generate(prompts, max_new_tokens=12, tree=WIDE, tree_nodes=5) == refs
+        kw = dict(max_new_tokens=12, do_sample=True, temperature=1.0, seed=3)
+        sdpa = SpeculativeEngine(target, drafter, max_len=64).generate(prompts, **kw)
+        tri = SpeculativeEngine(target, drafter, max_len=64, attention="triton")
+        res["sampled"] = tri.generate(prompts, **kw) == sdpa
+        res["restored"] = target.config._attn_implementation
+        print(json.dumps(res))
+    """)
+    assert out["qwen3_linear"] and out["qwen3_tree"] and out["compiled_tree"], out
+    assert out["qwen3_calls"] > 0  # the kernel ran (the prefill and every round, 6 layers each)
+    assert out["llama_linear"] and out["llama_tree"] and out["llama_calls"] == 0, out  # head dim 8: SDPA
+    assert out["sampled"], out
+    assert out["restored"] == "sdpa"
+
+
+def test_triton_attention_option_errors():
+    target = build_target("qwen3", num_layers=2)
+    from hf_carryover.engine.engine import SpeculativeEngine
+
+    with pytest.raises(ValueError, match="attention='flash': 'sdpa' or 'triton'"):
+        SpeculativeEngine(target, attention="flash")
+    if not os.environ.get("TRITON_INTERPRET"):  # on CPU the kernel needs the interpreter: refused by name
+        with pytest.raises(ValueError, match="attention='triton': off CUDA the kernel runs only in Triton's interp"):
+            SpeculativeEngine(target, attention="triton")
+    with pytest.raises(ValueError, match="attention_mode='fast'"):
+        SpeculativeEngine(target, attention="triton", attention_mode="fast")
+    with pytest.raises(ValueError, match="attention_block_n=48"):
+        SpeculativeEngine(target, attention="triton", attention_block_n=48)
