@@ -37,7 +37,7 @@ from .triton_attention import check_inputs, masked_gqa_attention
 ATTENTION = "carryover_sdpa_gqa"
 TRITON_ATTENTION = "carryover_triton_gqa"
 # the Triton kernel's settings during a decoding call (`engine_attention`); torch.compile guards on them
-TRITON_SETTINGS = {"mode": "scan", "block_n": 64, "num_warps": 4}
+TRITON_SETTINGS = {"mode": "scan", "block_n": 128, "num_warps": 4}
 # keyword arguments that change what attention computes; a call carrying any of them is left to transformers
 _NOT_HANDLED = ("softcap", "position_bias", "s_aux", "sinks")
 

@@ -106,7 +106,7 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
     def __init__(self, target, drafter=None, max_len: int = 2048, profile: bool = False, cuda_graphs: bool = False,
                  compile: bool | str = False, lookup_skips_drafter: bool = True, compile_options: dict | None = None,
                  lookup_siblings: bool = True, lookup_confidence: float | None = None, lookup_min_ngram: int = 3,
-                 attention: str = "sdpa", attention_mode: str = "scan", attention_block_n: int = 64,
+                 attention: str = "sdpa", attention_mode: str = "scan", attention_block_n: int = 128,
                  attention_warps: int = 4):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.

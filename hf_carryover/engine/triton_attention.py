@@ -131,19 +131,19 @@ def _launch(query, key, value, mask, scale, mode, block_n, num_warps):
 
 @torch.library.custom_op("hf_carryover::masked_gqa_attention", mutates_args=())
 def masked_gqa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                         scale: float, mode: str = "scan", block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+                         scale: float, mode: str = "scan", block_n: int = 128, num_warps: int = 4) -> torch.Tensor:
     """query `[b, heads, q, d]`, key/value `[b, kv_heads, L, d]`, boolean mask `[b or 1, 1, q, L]` ->
     `[b, q, heads, d]`. An opaque op to torch.compile (inductor calls it as it is) and capturable in CUDA graphs."""
     return _launch(query, key, value, mask, scale, mode, block_n, num_warps)
 
 
 @masked_gqa_attention.register_fake
-def _(query, key, value, mask, scale, mode="scan", block_n=64, num_warps=4):
+def _(query, key, value, mask, scale, mode="scan", block_n=128, num_warps=4):
     b, heads, n_q, d = query.shape
     return query.new_empty(b, n_q, heads, d)
 
 
-def check_inputs(query, key, value, mask, mode="scan", block_n=64) -> str | None:
+def check_inputs(query, key, value, mask, mode="scan", block_n=128) -> str | None:
     """None when `masked_gqa_attention` takes these inputs; otherwise what it does not take (the caller then uses
     SDPA)."""
     if available(query.device) is not None:
