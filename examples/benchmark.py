@@ -250,6 +250,7 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
             print(f"warning: {len(prompts)} prompts in static batches of {batch} leave a last batch of "
                   f"{len(prompts) % batch} rows, which flatters speculative rows against AR; use a multiple of "
                   f"{batch} (--limit)", file=sys.stderr)
+    res["attention"] = engine.attention  # the target's attention in the engine's rounds ("auto" resolved)
     settings = getattr(engine, "options", None)
     if settings:  # --engine_options and the drafter spec's engine keys (make_engine): the setting a row timed
         res["engine_options"] = dict(settings)

@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import build_target
 
 pytest.importorskip("triton")
@@ -145,8 +146,9 @@ def test_triton_attention_option_errors():
     target = build_target("qwen3", num_layers=2)
     from hf_carryover.engine.engine import SpeculativeEngine
 
-    with pytest.raises(ValueError, match="attention='flash': 'sdpa' or 'triton'"):
+    with pytest.raises(ValueError, match="attention='flash': 'auto', 'sdpa' or 'triton'"):
         SpeculativeEngine(target, attention="flash")
+    assert SpeculativeEngine(target).attention == "sdpa"  # "auto" on a CPU target
     if not os.environ.get("TRITON_INTERPRET"):  # on CPU the kernel needs the interpreter: refused by name
         with pytest.raises(ValueError, match="attention='triton': off CUDA the kernel runs only in Triton's interp"):
             SpeculativeEngine(target, attention="triton")
@@ -154,3 +156,18 @@ def test_triton_attention_option_errors():
         SpeculativeEngine(target, attention="triton", attention_mode="fast")
     with pytest.raises(ValueError, match="attention_block_n=48"):
         SpeculativeEngine(target, attention="triton", attention_block_n=48)
+
+
+def test_auto_attention_takes_the_kernel_for_half_precision_cuda_targets(monkeypatch):
+    """"auto" (the default) resolves by device, dtype and Triton: the kernel only where it was measured faster
+    (bf16 / fp16 on CUDA); fp32 targets stay on SDPA (the kernel is exact there, but slow), as do CPU targets."""
+    from hf_carryover.engine import engine as engine_mod
+
+    target = build_target("qwen3", num_layers=2)
+    monkeypatch.setattr(engine_mod, "_is_cuda", lambda device: True)  # no GPU here: pretend the target is on CUDA
+    monkeypatch.setattr(engine_mod, "triton_available", lambda device: None)
+    assert engine_mod.SpeculativeEngine(target).attention == "sdpa"  # fp32
+    assert engine_mod.SpeculativeEngine(target.to(torch.bfloat16)).attention == "triton"
+    assert engine_mod.SpeculativeEngine(target, attention="sdpa").attention == "sdpa"  # asked for by name
+    monkeypatch.setattr(engine_mod, "triton_available", lambda device: "Triton is not installed")
+    assert engine_mod.SpeculativeEngine(target).attention == "sdpa"

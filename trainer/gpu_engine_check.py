@@ -134,9 +134,9 @@ def main():
     p.add_argument("--tree_nodes", type=int, default=None, help="with --tree: the N likeliest nodes a round (dynamic)")
     p.add_argument("--continuous", action="store_true", help="fp32 rows: continuous batching (both prompt sets through "
                    "b rows, refilled) against the static reference, per engine")
-    p.add_argument("--attention", default="sdpa", choices=["sdpa", "triton"], help="every engine's attention "
-                   "(SpeculativeEngine(attention=...)): 'triton' checks the engine's Triton kernel against plain "
-                   "decoding")
+    p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"], help="every engine's "
+                   "attention (SpeculativeEngine(attention=...); 'auto': Triton's kernel on CUDA where Triton is "
+                   "installed)")
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True, "
                    "warn_only=True) and CUBLAS_WORKSPACE_CONFIG=:4096:8: does run-to-run or eager/replay variation go?")
     args = p.parse_args()
