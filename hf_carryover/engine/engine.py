@@ -169,7 +169,10 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         On the H200 (bf16, batch 1) a 31-node tree + lookup round took 1.77 instead of 2.02 ms and a plain step 1.05
         instead of 1.08 ms (`examples/results/h200-2026-12-03b`). In fp32 the kernel is exact (no TF32: fp32 greedy
         decoding on the H200 equalled plain decoding) but slow (47 query rows: 887 against 29 us a layer), so "auto"
-        leaves fp32 targets on SDPA."""
+        leaves fp32 targets on SDPA. Not measured: long contexts. The kernel was timed with 200 committed keys in a
+        640-slot cache. Its cost grows with the keys in use (about 0.8 us per key block at one query row, from its
+        32/64/128-key variants), SDPA's with the cache length; where a call uses most of a long cache, one query row
+        may run slower than on SDPA (pass attention="sdpa")."""
         if attention not in ("auto", "sdpa", "triton"):
             raise ValueError(f"attention={attention!r}: 'auto', 'sdpa' or 'triton'.")
         if attention == "auto":
