@@ -293,7 +293,9 @@ def main():
                          "generate() (greedy: --temperatures 0); the offline replay verifies linear blocks")
     engine_only = [d for d in args.drafters if set(parse_spec(d)[2]) & set(ENGINE_KEYS)]
     if engine_only and not args.engine and not args.summarize_only:
-        raise SystemExit(f"{engine_only}: {'/'.join(ENGINE_KEYS)} are SpeculativeEngine arguments: they need --engine")
+        given = sorted({k for d in engine_only for k in parse_spec(d)[2]} & set(ENGINE_KEYS))
+        raise SystemExit(f"{engine_only}: {'/'.join(given)} (of {'/'.join(ENGINE_KEYS)}) are SpeculativeEngine "
+                         "arguments: they need --engine")
     if looked and args.offline:
         raise SystemExit(f"{looked}: context lookup (lookup=N) runs through generate() and the engine; the offline "
                          "replay has no lookup yet (examples/lookup_hybrid_offline.py replays it at T=0)")
