@@ -163,39 +163,36 @@ def make_engine(target, drafter, max_len, profile=False, cuda_graphs=False, comp
     return engine
 
 
-def parse_inductor_options(pairs) -> dict:
-    """["freezing=True", "triton.cudagraphs=False"] -> {"freezing": True, "triton.cudagraphs": False} (values are
-    Python literals); a pair without "=" or with a value that is no literal is refused by name."""
+def _parse_pairs(pairs, what: str, example: str, text_ok: bool) -> dict:
+    """KEY=VALUE pairs -> {KEY: Python literal}; a value that is no literal is kept as text where `text_ok`, else
+    refused by name, as is a pair without "="."""
     import ast
 
+    need = "KEY=VALUE" if text_ok else "KEY=VALUE with a Python literal"
     opts = {}
     for pair in pairs:
         key, sep, val = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"{what} {pair!r}: expected {need}, e.g. {example}")
         try:
-            if not sep or not key:
-                raise ValueError
             opts[key] = ast.literal_eval(val)
         except (ValueError, SyntaxError):
-            raise SystemExit(f"inductor option {pair!r}: expected KEY=VALUE with a Python literal, e.g. "
-                             "freezing=True") from None
+            if not text_ok:
+                raise SystemExit(f"{what} {pair!r}: expected {need}, e.g. {example}") from None
+            opts[key] = val
     return opts
+
+
+def parse_inductor_options(pairs) -> dict:
+    """["freezing=True", "triton.cudagraphs=False"] -> {"freezing": True, "triton.cudagraphs": False} (values are
+    Python literals); a pair without "=" or with a value that is no literal is refused by name."""
+    return _parse_pairs(pairs, "inductor option", "freezing=True", text_ok=False)
 
 
 def parse_engine_options(pairs) -> dict:
     """["attention=triton", "attention_block_n=128"] -> {"attention": "triton", "attention_block_n": 128}: Python
     literals where a value is one, else the text; a pair without "=" is refused by name."""
-    import ast
-
-    opts = {}
-    for pair in pairs:
-        key, sep, val = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"engine option {pair!r}: expected KEY=VALUE, e.g. attention=triton")
-        try:
-            opts[key] = ast.literal_eval(val)
-        except (ValueError, SyntaxError):
-            opts[key] = val
-    return opts
+    return _parse_pairs(pairs, "engine option", "attention=triton", text_ok=True)
 
 
 _WARNED_PARTIAL: set = set()  # (prompts, batch) already warned about a partial last static batch

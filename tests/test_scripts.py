@@ -839,6 +839,12 @@ def test_benchmark_inductor_options_are_parsed_and_need_compile(tmp_path):
     for bad in (["freezing"], ["freezing=yes please"], ["=True"]):
         with pytest.raises(SystemExit, match="expected KEY=VALUE"):
             parse_inductor_options(bad)
+    from benchmark import parse_engine_options  # the same pairs, but a value may be text (attention=triton)
+
+    assert parse_engine_options(["attention=triton", "attention_block_n=128"]) == {
+        "attention": "triton", "attention_block_n": 128}
+    with pytest.raises(SystemExit, match="engine option 'attention': expected KEY=VALUE, e.g. attention=triton"):
+        parse_engine_options(["attention"])
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     res = subprocess.run([sys.executable, str(ROOT / "examples" / "benchmark.py"), "--target", "tiny", "--inductor",
                           "freezing=True", "--out", str(tmp_path / "x")], env=env, capture_output=True, text=True)

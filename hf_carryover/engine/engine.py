@@ -40,8 +40,8 @@ import torch
 
 from ..generation_carryover import eos_tensor
 from .attention import TRITON_ATTENTION, check_attention, engine_attention
-from .triton_attention import MODES as TRITON_MODES
 from .triton_attention import available as triton_available
+from .triton_attention import check_settings as check_triton_settings
 from .fuse_projections import FuseSharedInputMatmuls
 from .graphs import capture_round
 from .linear_round import LinearRounds
@@ -163,8 +163,9 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         attention="triton": the target's attention in rounds and row prefills runs through
         `triton_attention.masked_gqa_attention`, which reads only the cached keys some query row sees, instead of
         SDPA over the whole `max_len` cache ("sdpa", `attention.py`). Its settings: `attention_mode` ("scan": find
-        the last seen key first; "skip": skip key blocks nobody sees), `attention_block_n` (keys per block) and
-        `attention_warps`. It needs Triton and a CUDA target (the CPU tests run it in Triton's interpreter).
+        the last seen key first; "skip": walk the whole cache; both skip key blocks nobody sees), `attention_block_n`
+        (keys per block) and `attention_warps`. It needs Triton and a CUDA target (the CPU tests run it in Triton's
+        interpreter).
         "auto" (the default) takes "triton" for a bf16 or fp16 target on CUDA when Triton is installed, else "sdpa".
         On the H200 (bf16, batch 1) a 31-node tree + lookup round took 1.77 instead of 2.02 ms and a plain step 1.05
         instead of 1.08 ms (`examples/results/h200-2026-12-03b`). In fp32 the kernel is exact (no TF32: fp32 greedy
@@ -183,10 +184,8 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         self.attention_settings = {"mode": attention_mode, "block_n": int(attention_block_n),
                                    "num_warps": int(attention_warps)}
         if attention == "triton":
-            bn = int(attention_block_n)
-            why = (f"attention_mode={attention_mode!r}: one of {TRITON_MODES}" if attention_mode not in TRITON_MODES
-                   else f"attention_block_n={bn}: a power of two >= 16" if bn < 16 or bn & (bn - 1)
-                   else triton_available(target.device))
+            why = (check_triton_settings(attention_mode, self.attention_settings["block_n"], "attention_")
+                   or triton_available(target.device))
             if why:
                 raise ValueError(f"attention='triton': {why}")
         if not 1 <= int(lookup_min_ngram) <= 4:

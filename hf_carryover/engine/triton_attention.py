@@ -150,15 +150,22 @@ def _(query, key, value, mask, scale, mode="scan", block_n=128, num_warps=4):
     return query.new_empty(b, n_q, heads, d)
 
 
+def check_settings(mode: str, block_n: int, prefix: str = "") -> str | None:
+    """None when (mode, block_n) are kernel settings; otherwise what is wrong, the names read with `prefix` (the
+    engine's arguments are `attention_mode` / `attention_block_n`)."""
+    if mode not in MODES:
+        return f"{prefix}mode={mode!r}: one of {MODES}"
+    if block_n < 16 or block_n & (block_n - 1):
+        return f"{prefix}block_n={block_n}: a power of two >= 16"
+    return None
+
+
 def check_inputs(query, key, value, mask, mode="scan", block_n=128) -> str | None:
     """None when `masked_gqa_attention` takes these inputs; otherwise what it does not take (the caller then uses
     SDPA)."""
-    if available(query.device) is not None:
-        return available(query.device)
-    if mode not in MODES:
-        return f"mode={mode!r}: one of {MODES}"
-    if block_n < 16 or block_n & (block_n - 1):
-        return f"block_n={block_n}: a power of two >= 16"
+    why = available(query.device) or check_settings(mode, block_n)
+    if why is not None:
+        return why
     if mask is None or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1:
         return "the kernel takes a boolean mask [b, 1, q, keys]"
     d = query.shape[-1]
@@ -173,4 +180,4 @@ def check_inputs(query, key, value, mask, mode="scan", block_n=128) -> str | Non
     return None
 
 
-__all__ = ["MODES", "available", "check_inputs", "masked_gqa_attention"]
+__all__ = ["MODES", "available", "check_inputs", "check_settings", "masked_gqa_attention"]
