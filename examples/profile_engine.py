@@ -14,7 +14,7 @@ this script splits it, per mode:
     by cumulative and the 15 by own time. Time blocked in the round's one sync shows as `tolist`; the rest is the
     host's own work (prefill setup, state reset, the first lookup, read-out, mode and attention switching);
   * `kernels`: per round, the number of kernels and their time by kind (GEMM, attention, Triton-fused, index,
-    copy, other) and the 20 costliest kernel names, from `torch.profiler` over replays of the captured round;
+    copy, other) and the 60 costliest kernel names, from `torch.profiler` over replays of the captured round;
   * `parts` (with a drafter): the drafter's block forward and the target's forward over 1 and over N+1 rows,
     each compiled and captured alone, so round - parts = what the tree/acceptance/state bookkeeping costs.
 
@@ -88,8 +88,9 @@ def host_profile(fn, top: int = 25, top_self: int = 15) -> dict:
             "by_self": sorted(rows, key=lambda r: -r["self_ms"])[:top_self]}
 
 
-def kernel_profile(fn, n: int) -> dict:
-    """Kernels per call of `fn` (a graph replay) by kind, from torch.profiler over n calls."""
+def kernel_profile(fn, n: int, top: int = 60) -> dict:
+    """Kernels per call of `fn` (a graph replay) by kind and the `top` costliest by name, from torch.profiler over n
+    calls. 60 names cover a round's kernels that cost more than about 1 us (a tree round runs ~120 distinct ones)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -108,7 +109,7 @@ def kernel_profile(fn, n: int) -> dict:
             table[key][0] += 1
             table[key][1] += us
     per = lambda t: {k: {"count": c / n, "ms": us / n / 1000} for k, (c, us) in t.items()}  # noqa: E731
-    top = dict(sorted(per(names).items(), key=lambda kv: -kv[1]["ms"])[:20])
+    top = dict(sorted(per(names).items(), key=lambda kv: -kv[1]["ms"])[:top])
     total = {"count": sum(c for c, _ in kinds.values()) / n, "ms": sum(us for _, us in kinds.values()) / n / 1000}
     return {"total": total, "by_kind": per(kinds), "top": top}
 
@@ -210,7 +211,9 @@ def part_times(args, eng, st, tree) -> dict:
     for name, fn in fns.items():
         with eng.attention_context():  # compiled and captured with the attention the engine's rounds use
             g = capture_round(fn, st.tensors() + st.cache.k + st.cache.v)
-        out[name] = {"gpu_ms": replay_ms(g.replay, args.replays), "kernels": kernel_profile(g.replay, 5)["total"]}
+        kern = kernel_profile(g.replay, 5, top=30)
+        out[name] = {"gpu_ms": replay_ms(g.replay, args.replays), "kernels": kern["total"], "by_kind": kern["by_kind"],
+                     "top": kern["top"]}
     return out
 
 
