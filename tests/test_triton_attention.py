@@ -35,12 +35,14 @@ def _run(body: str) -> dict:
 def test_kernel_equals_sdpa_on_every_mask_the_engine_makes():
     out = _run("""
         import torch.nn.functional as F
-        from hf_carryover.engine.triton_attention import check_inputs, masked_gqa_attention
+        from hf_carryover.engine import triton_attention
+        from hf_carryover.engine.triton_attention import check_inputs, masked_gqa_attention, split_plan
 
         g = torch.Generator().manual_seed(0)
         errs = {}
 
-        def case(name, b, heads, kvh, q, keys, mask, dtype=torch.float32, modes=("scan", "skip"), blocks=(16, 64)):
+        def case(name, b, heads, kvh, q, keys, mask, dtype=torch.float32, modes=("scan", "skip"), blocks=(16, 64),
+                 splits=(0,)):
             Q = torch.randn(b, heads, q, 64, generator=g).to(dtype)
             K = torch.randn(b, kvh, keys, 64, generator=g).to(dtype)
             V = torch.randn(b, kvh, keys, 64, generator=g).to(dtype)
@@ -51,15 +53,17 @@ def test_kernel_equals_sdpa_on_every_mask_the_engine_makes():
             ref = torch.nan_to_num(ref, nan=0.0)  # rows that see nothing: SDPA's NaN, the kernel's zeros
             for mode in modes:
                 for bn in blocks:
-                    o = masked_gqa_attention(Q, K, V, mask, 64 ** -0.5, mode, bn)
-                    assert o.shape == (b, q, heads, 64) and o.dtype == dtype
-                    errs[f"{name}/{mode}{bn}"] = (o.double() - ref).abs().max().item()
+                    for sp in splits:  # split_n 0: one program per row block; else parts walked side by side
+                        o = masked_gqa_attention(Q, K, V, mask, 64 ** -0.5, mode, bn, 4, sp)
+                        assert o.shape == (b, q, heads, 64) and o.dtype == dtype
+                        errs[f"{name}/{mode}{bn}" + (f"s{sp}" if sp else "")] = (o.double() - ref).abs().max().item()
 
         keys = torch.arange(200)
         # a linear round: query rows at positions 50.. / 120.. see keys at positions <= their own (200 keys: not a
         # multiple of the 64-key blocks)
         pos = torch.tensor([[50 + i for i in range(5)], [120 + i for i in range(5)]])
-        case("causal", 2, 9, 3, 5, 200, keys[None, None, None, :] <= pos[:, None, :, None])
+        # split over keys (32 or 64 keys a part: 7 or 4 parts): rows at 50.. use 2 parts, rows at 120.. 4 or 2
+        case("causal", 2, 9, 3, 5, 200, keys[None, None, None, :] <= pos[:, None, :, None], splits=(0, 32))
         # a tree round of 47 rows (141 rows of three heads: three row blocks): committed keys and random ancestors
         anchor = torch.tensor([30, 90])
         anc = torch.rand(2, 47, 47, generator=g) < 0.3
@@ -67,10 +71,11 @@ def test_kernel_equals_sdpa_on_every_mask_the_engine_makes():
         rel = keys[None, :] - anchor[:, None]
         inside = (rel >= 0) & (rel < 47)
         cols = anc.gather(2, rel.clamp(0, 46)[:, None, :].expand(-1, 47, -1))
-        case("tree", 2, 9, 3, 47, 200, ((rel < 0)[:, None, :] | (inside[:, None, :] & cols))[:, None])
+        case("tree", 2, 9, 3, 47, 200, ((rel < 0)[:, None, :] | (inside[:, None, :] & cols))[:, None],
+             modes=("scan",), splits=(0, 32))
         # one mask for the whole batch (stride 0), one head per K/V head, and a row that sees no key at all
         m = keys[None, None, None, :] < torch.tensor([0, 3, 64, 65])[None, None, :, None]
-        case("broadcast_empty_row", 3, 4, 4, 4, 200, m)
+        case("broadcast_empty_row", 3, 4, 4, 4, 200, m, splits=(0, 32))
         # half precision: the kernel rounds its probabilities to the input dtype before the value product. fp16
         # stands in for the H200's bf16, which Triton's interpreter multiplies wrongly (3.6 and 3.9: a bf16 tl.dot
         # of two 16 x 16 tiles is off by ~1e10); `trainer/gpu_attention_bench.py` checks bf16 on the GPU
@@ -82,16 +87,23 @@ def test_kernel_equals_sdpa_on_every_mask_the_engine_makes():
                                 torch.ones(1, 1, 2, 64, dtype=torch.bool)),  # head dim 8
                    check_inputs(Q, K, K, torch.ones(1, 1, 2, 64, dtype=torch.bool), mode="other"),
                    check_inputs(Q, K, K, torch.ones(1, 1, 2, 64, dtype=torch.bool), block_n=48)]
-        print(json.dumps({"errs": errs, "refused": refused}))
+        # the last part to finish resets its arrival counter: all zero again for the next call
+        counters = sum(int(c.abs().sum()) for c in triton_attention._COUNTERS.values())
+        plans = [split_plan(200, 16, 32), split_plan(200, 64, 32), split_plan(200, 16, 0), split_plan(200, 16, 400),
+                 split_plan(4096, 16, 32)]
+        print(json.dumps({"errs": errs, "refused": refused, "counters": counters, "plans": plans}))
     """)
     errs = out["errs"]
-    assert len(errs) == 14
+    assert len(errs) == 22
     for name, err in errs.items():
         assert err < (2e-3 if name.startswith("fp16") else 2e-6), (name, err)
     assert errs["broadcast_empty_row/scan16"] < 2e-6  # the empty row's zeros are part of this comparison
     refused = out["refused"]
     assert "boolean mask" in refused[0] and "head_dim=8" in refused[1]
     assert "mode='other'" in refused[2] and "block_n=48" in refused[3]
+    assert out["counters"] == 0
+    # (keys a part, parts): whole key blocks, at most MAX_SPLITS (16) parts; 0 or a part as long as the cache: one
+    assert out["plans"] == [[32, 7], [64, 4], [200, 1], [200, 1], [256, 16]]
 
 
 def test_engine_with_triton_attention_decodes_plain_greedy_text():
@@ -115,7 +127,8 @@ def test_engine_with_triton_attention_decodes_plain_greedy_text():
             refs = _greedy_refs(target, prompts, 14)
             drafter = build_drafter(target, "dflash", True)
             calls.clear()
-            lin = SpeculativeEngine(target, drafter, max_len=64, attention="triton", attention_block_n=16)
+            lin = SpeculativeEngine(target, drafter, max_len=64, attention="triton", attention_block_n=16,
+                                    attention_split_n=16)  # 4 parts of 16 keys
             res[arch + "_linear"] = lin.generate(prompts, max_new_tokens=14) == refs
             res[arch + "_calls"] = len(calls)
             tree = SpeculativeEngine(target, drafter, max_len=128, attention="triton", attention_mode="skip")
@@ -156,6 +169,8 @@ def test_triton_attention_option_errors():
         SpeculativeEngine(target, attention="triton", attention_mode="fast")
     with pytest.raises(ValueError, match="attention_block_n=48"):
         SpeculativeEngine(target, attention="triton", attention_block_n=48)
+    with pytest.raises(ValueError, match="attention_split_n=-1: keys per split"):
+        SpeculativeEngine(target, attention="triton", attention_split_n=-1)
 
 
 def test_auto_attention_takes_the_kernel_for_half_precision_cuda_targets(monkeypatch):

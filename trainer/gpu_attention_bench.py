@@ -13,9 +13,10 @@ kernel. This script times the alternatives the engine could take, each compiled 
   * `flex`: `flex_attention` with `enable_gqa=True` and a mask_mod that reads the same boolean mask, one BlockMask
     over the whole cache made once (what a capture-safe flex attention function would do);
   * `window<W>`: `hf` over the first W keys only (what per-length graphs would read);
-  * `triton_<mode><BLOCK_N>[w<warps>]`, e.g. `triton_scan64`, `triton_skip128w8`: the engine's Triton kernel
-    (`hf_carryover/engine/triton_attention.py`, `SpeculativeEngine(attention="triton")`), which reads only the keys
-    some query row sees.
+  * `triton_<mode><BLOCK_N>[w<warps>][s<SPLIT_N>]`, e.g. `triton_scan64`, `triton_skip128w8`, `triton_scan128s256`:
+    the engine's Triton kernel (`hf_carryover/engine/triton_attention.py`, `SpeculativeEngine(attention="triton")`),
+    which reads only the keys some query row sees; `s<SPLIT_N>`: the keys in use cut into parts of SPLIT_N walked
+    at the same time (no `s`: one program walks them all, as before 2026-12-03c).
 
 Each row records microseconds per layer and the largest difference from a float64 reference.
 
@@ -67,9 +68,10 @@ def layer_fn(variant, heads, kv_heads, mask, keys):
 
         from hf_carryover.engine.triton_attention import masked_gqa_attention
 
-        mode, block_n, warps = re.fullmatch(r"triton_(scan|skip)(\d+)(?:w(\d+))?", variant).groups()
+        mode, block_n, warps, split = re.fullmatch(r"triton_(scan|skip)(\d+)(?:w(\d+))?(?:s(\d+))?",
+                                                   variant).groups()
         return lambda q, k, v: masked_gqa_attention(q, k, v, mask, q.shape[-1] ** -0.5, mode, int(block_n),
-                                                    int(warps or 4)).transpose(1, 2)  # -> [1, heads, q, d]
+                                                    int(warps or 4), int(split or 0)).transpose(1, 2)  # [1, h, q, d]
     if variant.startswith("window"):
         w = int(variant[len("window"):])
         m = mask[..., :w]
@@ -128,7 +130,8 @@ def time_variant(variant, args, q_rows, keys, valid, device, dtype):
             step()
         sync()
     us = 1e6 * (time.perf_counter() - t) / args.replays / args.layers
-    return {"variant": variant, "q_rows": q_rows, "keys": keys, "us_per_layer": round(us, 3), "max_abs_err": err}
+    return {"variant": variant, "q_rows": q_rows, "keys": keys, "valid": valid, "us_per_layer": round(us, 3),
+            "max_abs_err": err}
 
 
 def main(argv=None):
@@ -139,7 +142,7 @@ def main(argv=None):
                    default=["hf", "hf_efficient", "hf_cudnn", "hf_math", "gqa", "flex", "window256", "window384"])
     p.add_argument("--queries", type=int, nargs="+", default=[1, 16, 47], help="query rows per round")
     p.add_argument("--keys", type=int, nargs="+", default=[640, 1024], help="static cache length (max_len)")
-    p.add_argument("--valid", type=int, default=200, help="committed context length in the mask")
+    p.add_argument("--valid", type=int, nargs="+", default=[200], help="committed context lengths in the mask")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv_heads", type=int, default=3)
@@ -151,21 +154,21 @@ def main(argv=None):
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     result = {"command": " ".join(["trainer/gpu_attention_bench.py", *(argv if argv is not None else sys.argv[1:])]),
               "env": environment(), "args": vars(args), "rows": []}
-    for keys in args.keys:
-        for q_rows in args.queries:
-            for variant in args.variants:
-                valid = min(args.valid, keys - q_rows - 1)
-                if variant.startswith("window") and not valid + q_rows + 1 <= int(variant[len("window"):]) < keys:
-                    continue  # a window must hold every key the mask lets through, and be shorter than the cache
-                try:
-                    row = time_variant(variant, args, q_rows, keys, valid, device, dtype)
-                except Exception as e:  # a backend that refuses these shapes is a result too
-                    row = {"variant": variant, "q_rows": q_rows, "keys": keys,
-                           "error": f"{type(e).__name__}: {e}"[:300]}
-                print(json.dumps(row), flush=True)
-                result["rows"].append(row)
-                if args.out:
-                    Path(args.out).write_text(json.dumps(result, indent=1))
+    cases = [(keys, q_rows, min(v, keys - q_rows - 1)) for keys in args.keys for v in args.valid
+             for q_rows in args.queries]
+    for keys, q_rows, valid in dict.fromkeys(cases):  # a valid length cut to the cache may repeat: once
+        for variant in args.variants:
+            if variant.startswith("window") and not valid + q_rows + 1 <= int(variant[len("window"):]) < keys:
+                continue  # a window must hold every key the mask lets through, and be shorter than the cache
+            try:
+                row = time_variant(variant, args, q_rows, keys, valid, device, dtype)
+            except Exception as e:  # a backend that refuses these shapes is a result too
+                row = {"variant": variant, "q_rows": q_rows, "keys": keys, "valid": valid,
+                       "error": f"{type(e).__name__}: {e}"[:300]}
+            print(json.dumps(row), flush=True)
+            result["rows"].append(row)
+            if args.out:
+                Path(args.out).write_text(json.dumps(result, indent=1))
     return result
 
 

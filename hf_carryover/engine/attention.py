@@ -37,7 +37,7 @@ from .triton_attention import check_inputs, masked_gqa_attention
 ATTENTION = "carryover_sdpa_gqa"
 TRITON_ATTENTION = "carryover_triton_gqa"
 # the Triton kernel's settings during a decoding call (`engine_attention`); torch.compile guards on them
-TRITON_SETTINGS = {"mode": "scan", "block_n": 128, "num_warps": 4}
+TRITON_SETTINGS = {"mode": "scan", "block_n": 128, "num_warps": 4, "split_n": 256}
 # keyword arguments that change what attention computes; a call carrying any of them is left to transformers
 _NOT_HANDLED = ("softcap", "position_bias", "s_aux", "sinks")
 
@@ -66,7 +66,7 @@ def triton_gqa_attention(module, query, key, value, attention_mask, dropout=0.0,
                                   is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return masked_gqa_attention(query, key, value, attention_mask, scale, st["mode"], st["block_n"],
-                                st["num_warps"]), None
+                                st["num_warps"], st["split_n"]), None
 
 
 for _name, _fn in ((ATTENTION, gqa_sdpa_attention), (TRITON_ATTENTION, triton_gqa_attention)):

@@ -107,7 +107,7 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
                  compile: bool | str = False, lookup_skips_drafter: bool = True, compile_options: dict | None = None,
                  lookup_siblings: bool = True, lookup_confidence: float | None = None, lookup_min_ngram: int = 3,
                  attention: str = "auto", attention_mode: str = "scan", attention_block_n: int = 128,
-                 attention_warps: int = 4):
+                 attention_warps: int = 4, attention_split_n: int = 256):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -164,16 +164,17 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         `triton_attention.masked_gqa_attention`, which reads only the cached keys some query row sees, instead of
         SDPA over the whole `max_len` cache ("sdpa", `attention.py`). Its settings: `attention_mode` ("scan": find
         the last seen key first; "skip": walk the whole cache; both skip key blocks nobody sees), `attention_block_n`
-        (keys per block) and `attention_warps`. It needs Triton and a CUDA target (the CPU tests run it in Triton's
-        interpreter).
+        (keys per block), `attention_warps` and `attention_split_n` (keys per split: the keys in use are cut into parts
+        of that many, each walked by its own program at the same time, and the last to finish folds their results
+        together; 0: one program walks them all). It needs Triton and a CUDA target (the CPU tests run it in
+        Triton's interpreter).
         "auto" (the default) takes "triton" for a bf16 or fp16 target on CUDA when Triton is installed, else "sdpa".
         On the H200 (bf16, batch 1) a 31-node tree + lookup round took 1.77 instead of 2.02 ms and a plain step 1.05
         instead of 1.08 ms (`examples/results/h200-2026-12-03b`). In fp32 the kernel is exact (no TF32: fp32 greedy
         decoding on the H200 equalled plain decoding) but slow (47 query rows: 887 against 29 us a layer), so "auto"
-        leaves fp32 targets on SDPA. Not measured: long contexts. The kernel was timed with 200 committed keys in a
-        640-slot cache. Its cost grows with the keys in use (about 0.8 us per key block at one query row, from its
-        32/64/128-key variants), SDPA's with the cache length; where a call uses most of a long cache, one query row
-        may run slower than on SDPA (pass attention="sdpa")."""
+        leaves fp32 targets on SDPA. Why the splits: without them one program walks a row block's keys one block after
+        another, about 2.8 us per 128 keys at one query row, so with 1800 keys in use of 2048 a layer took 42.5 us
+        against SDPA's 6.8 (`examples/results/h200-2026-12-03c`)."""
         if attention not in ("auto", "sdpa", "triton"):
             raise ValueError(f"attention={attention!r}: 'auto', 'sdpa' or 'triton'.")
         if attention == "auto":
@@ -182,9 +183,10 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
                          else "sdpa")
         self.attention = attention
         self.attention_settings = {"mode": attention_mode, "block_n": int(attention_block_n),
-                                   "num_warps": int(attention_warps)}
+                                   "num_warps": int(attention_warps), "split_n": int(attention_split_n)}
         if attention == "triton":
-            why = (check_triton_settings(attention_mode, self.attention_settings["block_n"], "attention_")
+            why = (check_triton_settings(attention_mode, self.attention_settings["block_n"], "attention_",
+                                         self.attention_settings["split_n"])
                    or triton_available(target.device))
             if why:
                 raise ValueError(f"attention='triton': {why}")
