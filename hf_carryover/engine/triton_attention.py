@@ -147,8 +147,8 @@ def _attention_kernel(Q, K, V, M, O, WS, CNT, n_q, n_keys, scale_log2,
                     m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
                     l_all = tl.zeros([BLOCK_M], tl.float32)
                     acc_all = tl.zeros([BLOCK_M, D], tl.float32)
-                    for j in range(0, n_split):
-                        wj = WS + ((prog * SPLITS + j) * BLOCK_M + r) * (D + 2)
+                    for part in range(0, n_split):  # (not `j`: the scan above left j a constexpr)
+                        wj = WS + ((prog * SPLITS + part) * BLOCK_M + r) * (D + 2)
                         m_j = tl.load(wj + D, cache_modifier=".cg")  # .cg: from L2, where the other splits wrote
                         l_j = tl.load(wj + D + 1, cache_modifier=".cg")
                         a_j = tl.load(wj[:, None] + d[None, :], cache_modifier=".cg")
