@@ -248,6 +248,8 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
                   f"{len(prompts) % batch} rows, which flatters speculative rows against AR; use a multiple of "
                   f"{batch} (--limit)", file=sys.stderr)
     res["attention"] = engine.attention  # the target's attention in the engine's rounds ("auto" resolved)
+    if engine.attention == "triton":  # the kernel's settings, min_rows included ("auto": one-row calls on SDPA)
+        res["attention_settings"] = dict(engine.attention_settings)
     settings = getattr(engine, "options", None)
     if settings:  # --engine_options and the drafter spec's engine keys (make_engine): the setting a row timed
         res["engine_options"] = dict(settings)

@@ -114,8 +114,11 @@ def kernel_profile(fn, n: int, top: int = 60) -> dict:
     return {"total": total, "by_kind": per(kinds), "top": top}
 
 
+@torch.no_grad()
 def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, lookup=None, parts=False) -> dict:
-    """One mode's figures (module docstring); `save(res)` stores what is measured so far."""
+    """One mode's figures (module docstring); `save(res)` stores what is measured so far. Without grad, as the
+    engine's own calls run: a compile with grad traces a backward, which the Triton attention op does not have
+    (12-03c: the parts failed so and took the round's kernel table with them)."""
     from hf_carryover.engine.engine import SpeculativeEngine
 
     longest = max(len(p) for p in prompts)
@@ -185,7 +188,10 @@ def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, loo
     print(json.dumps({k: v for k, v in res.items() if k not in ("kernels", "parts", "host")}), flush=True)
     save(res)  # before the parts, which compile three more graphs
     if parts and drafter is not None:
-        res["parts"] = part_times(args, eng, st, tree)
+        try:  # a failure here must not cost the figures above (12-03c lost a round's kernel table that way)
+            res["parts"] = part_times(args, eng, st, tree)
+        except Exception as e:  # noqa: BLE001
+            res["parts_error"] = f"{type(e).__name__}: {e}"[:500]
         save(res)
     return res
 

@@ -858,7 +858,7 @@ def test_evaluate_tau_refuses_engine_keys_without_engine(tmp_path):
     r = subprocess.run([sys.executable, script, "--drafters", "x=nowhere,lookup=4,lookup_siblings=false",
                         "--out", str(tmp_path)], capture_output=True, text=True)
     assert r.returncode != 0 and "]: lookup_siblings (of lookup_siblings/" in r.stderr, r.stderr
-    assert "attention_split_n) are SpeculativeEngine arguments: they need --engine" in r.stderr
+    assert "attention_min_rows) are SpeculativeEngine arguments: they need --engine" in r.stderr
 
 
 def test_evaluate_tau_specs_and_held_out_prompts(tmp_path):
@@ -890,3 +890,19 @@ def test_benchmark_passes_a_specs_engine_keys_and_records_them(tmp_path):
     assert engines["a"].lookup_min_ngram == 3 and engines["b"].lookup_min_ngram == 2
     rows = {n: run_engine(e, [[3, 7, 11, 3, 7]], 6, 1, None, lookup=3) for n, e in engines.items()}
     assert "engine_options" not in rows["a"] and rows["b"]["engine_options"] == {"lookup_min_ngram": 2}
+
+
+def test_compile_census_counts_graphs_and_breaks(tmp_path):
+    """examples/compile_census.py: per mode, the graphs Dynamo traced (row prefill and round) and its breaks by reason,
+    written with the command and environment; a sampled tree round breaks once, on purpose, around
+    `sampling.running_mass` (`torch.compiler.disable`)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import compile_census
+
+    out = tmp_path / "census.json"
+    res = compile_census.main(["--modes", "ar", "tree_sampled", "--out", str(out)])
+    assert json.loads(out.read_text())["rows"] == res["rows"] and res["env"]["torch"]
+    ar, sampled = res["rows"]
+    assert (ar["graphs"], ar["breaks"]) == (2, 0), ar
+    assert sampled["breaks"] >= 1 and all("disable" in r for r in sampled["reasons"]), sampled
+

@@ -134,8 +134,17 @@ def test_engine_with_triton_attention_decodes_plain_greedy_text():
             tree = SpeculativeEngine(target, drafter, max_len=128, attention="triton", attention_mode="skip")
             res[arch + "_tree"] = tree.generate(prompts, max_new_tokens=14, tree=WIDE, prompt_lookup_num_tokens=3,
                                                 tree_nodes=5) == refs
-        attention.masked_gqa_attention = real
+        # plain decoding steps are one query row: attention_min_rows=2 ("auto"'s) sends them to SDPA, the prefill
+        # (several rows) still runs the kernel; min_rows=1 runs the steps on the kernel too
         target = build_target("qwen3")
+        refs = _greedy_refs(target, prompts, 14)
+        for rows in (1, 2):
+            calls.clear()
+            ar = SpeculativeEngine(target, None, max_len=64, attention="triton", attention_block_n=16,
+                                   attention_min_rows=rows)
+            res[f"ar_min_rows{rows}"] = ar.generate(prompts, max_new_tokens=14) == refs
+            res[f"ar_min_rows{rows}_query_rows"] = sorted({shape[2] for shape in calls})
+        attention.masked_gqa_attention = real
         drafter = build_drafter(target, "dflash", True)
         prompts = _prompts(1, (4, 9))
         refs = _greedy_refs(target, prompts, 12)
@@ -152,6 +161,9 @@ def test_engine_with_triton_attention_decodes_plain_greedy_text():
     assert out["qwen3_calls"] > 0  # the kernel ran (the prefill and every round, 6 layers each)
     assert out["llama_linear"] and out["llama_tree"] and out["llama_calls"] == 0, out  # head dim 8: SDPA
     assert out["sampled"], out
+    assert out["ar_min_rows1"] and out["ar_min_rows2"], out
+    assert 1 in out["ar_min_rows1_query_rows"] and len(out["ar_min_rows1_query_rows"]) > 1, out
+    assert out["ar_min_rows2_query_rows"] and min(out["ar_min_rows2_query_rows"]) > 1, out  # the prefill only
     assert out["restored"] == "sdpa"
 
 
@@ -171,18 +183,24 @@ def test_triton_attention_option_errors():
         SpeculativeEngine(target, attention="triton", attention_block_n=48)
     with pytest.raises(ValueError, match="attention_split_n=-1: keys per split"):
         SpeculativeEngine(target, attention="triton", attention_split_n=-1)
+    with pytest.raises(ValueError, match="attention_min_rows=0: at least 1"):
+        SpeculativeEngine(target, attention="triton", attention_min_rows=0)
 
 
 def test_auto_attention_takes_the_kernel_for_half_precision_cuda_targets(monkeypatch):
     """"auto" (the default) resolves by device, dtype and Triton: the kernel only where it was measured faster
-    (bf16 / fp16 on CUDA); fp32 targets stay on SDPA (the kernel is exact there, but slow), as do CPU targets."""
+    (bf16 / fp16 on CUDA, calls of two query rows or more); fp32 targets stay on SDPA (the kernel is exact there, but
+    slow), as do CPU targets."""
     from hf_carryover.engine import engine as engine_mod
 
     target = build_target("qwen3", num_layers=2)
     monkeypatch.setattr(engine_mod, "_is_cuda", lambda device: True)  # no GPU here: pretend the target is on CUDA
     monkeypatch.setattr(engine_mod, "triton_available", lambda device: None)
     assert engine_mod.SpeculativeEngine(target).attention == "sdpa"  # fp32
-    assert engine_mod.SpeculativeEngine(target.to(torch.bfloat16)).attention == "triton"
+    auto = engine_mod.SpeculativeEngine(target.to(torch.bfloat16))
+    assert auto.attention == "triton" and auto.attention_settings["min_rows"] == 2  # one-row steps on SDPA
+    named = engine_mod.SpeculativeEngine(target, attention="triton")
+    assert named.attention_settings["min_rows"] == 1  # the kernel wherever it applies
     assert engine_mod.SpeculativeEngine(target, attention="sdpa").attention == "sdpa"  # asked for by name
     monkeypatch.setattr(engine_mod, "triton_available", lambda device: "Triton is not installed")
     assert engine_mod.SpeculativeEngine(target).attention == "sdpa"

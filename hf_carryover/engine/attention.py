@@ -37,7 +37,7 @@ from .triton_attention import check_inputs, masked_gqa_attention
 ATTENTION = "carryover_sdpa_gqa"
 TRITON_ATTENTION = "carryover_triton_gqa"
 # the Triton kernel's settings during a decoding call (`engine_attention`); torch.compile guards on them
-TRITON_SETTINGS = {"mode": "scan", "block_n": 128, "num_warps": 4, "split_n": 256}
+TRITON_SETTINGS = {"mode": "scan", "block_n": 128, "num_warps": 4, "split_n": 256, "min_rows": 1}
 # keyword arguments that change what attention computes; a call carrying any of them is left to transformers
 _NOT_HANDLED = ("softcap", "position_bias", "s_aux", "sinks")
 
@@ -58,9 +58,10 @@ def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, s
 def triton_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                          **kwargs):
     """`gqa_sdpa_attention`'s contract through the Triton kernel (`TRITON_SETTINGS`); what the kernel does not take
-    (no or non-boolean mask, dropout, `softcap`, odd head dims, ...) goes to `gqa_sdpa_attention`."""
+    (no or non-boolean mask, dropout, `softcap`, odd head dims, ...) goes to `gqa_sdpa_attention`, and so do calls
+    with fewer query rows than `min_rows` (the engine's "auto" keeps one-row steps on SDPA, `SpeculativeEngine`)."""
     st = TRITON_SETTINGS
-    if (dropout or any(kwargs.get(k) is not None for k in _NOT_HANDLED)
+    if (query.shape[2] < st["min_rows"] or dropout or any(kwargs.get(k) is not None for k in _NOT_HANDLED)
             or check_inputs(query, key, value, attention_mask, st["mode"], st["block_n"]) is not None):
         return gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)

@@ -43,7 +43,7 @@ from .attention import TRITON_ATTENTION, check_attention, engine_attention
 from .triton_attention import available as triton_available
 from .triton_attention import check_settings as check_triton_settings
 from .fuse_projections import FuseSharedInputMatmuls
-from .graphs import capture_round
+from .graphs import capture_round, install_output_hooks
 from .linear_round import LinearRounds
 from .refill import RowPrefill
 from .sampling import inverse_cdf, point_mass, running_mass
@@ -107,7 +107,7 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
                  compile: bool | str = False, lookup_skips_drafter: bool = True, compile_options: dict | None = None,
                  lookup_siblings: bool = True, lookup_confidence: float | None = None, lookup_min_ngram: int = 3,
                  attention: str = "auto", attention_mode: str = "scan", attention_block_n: int = 128,
-                 attention_warps: int = 4, attention_split_n: int = 256):
+                 attention_warps: int = 4, attention_split_n: int = 256, attention_min_rows: int | None = None):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -173,17 +173,27 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         instead of 1.08 ms (`examples/results/h200-2026-12-03b`). In fp32 the kernel is exact (no TF32: fp32 greedy
         decoding on the H200 equalled plain decoding) but slow (47 query rows: 887 against 29 us a layer), so "auto"
         leaves fp32 targets on SDPA. Why the splits: without them one program walks a row block's keys one block after
-        another, about 2.8 us per 128 keys at one query row, so with 1800 keys in use of 2048 a layer took 42.5 us
-        against SDPA's 6.8 (`examples/results/h200-2026-12-03c`)."""
+        another, about 2.8 us per 128 keys at one query row, so with 1800 keys in use of 2048 a layer took 40.8 us
+        against SDPA's 6.9; with 256-key parts 12.0 (`examples/results/h200-2026-12-03c`).
+        `attention_min_rows`: calls with fewer query rows go to SDPA. "auto" sets 2, so plain decoding steps (one row)
+        stay on SDPA, whose cost at one row hardly depends on the cache (6.6-6.9 us a layer for 200 to 1800 keys in
+        use), while the kernel's grows with the keys in use (6.0 us at 200, 8.1 at 400, 12.0 at 1800, 256-key parts).
+        For 47 rows (a tree round) the kernel was faster at every length measured (8.6 / 12.1 / 20.3 us against
+        SDPA's 14.1 / 14.1 / 34.2). attention="triton" sets 1 (the kernel for every call it takes)."""
         if attention not in ("auto", "sdpa", "triton"):
             raise ValueError(f"attention={attention!r}: 'auto', 'sdpa' or 'triton'.")
-        if attention == "auto":
+        if attention_min_rows is not None and int(attention_min_rows) < 1:
+            raise ValueError(f"attention_min_rows={attention_min_rows}: at least 1 (None: 2 under 'auto', else 1).")
+        auto = attention == "auto"
+        if auto:
             half = target.dtype in (torch.float16, torch.bfloat16)
             attention = ("triton" if half and _is_cuda(target.device) and triton_available(target.device) is None
                          else "sdpa")
         self.attention = attention
+        min_rows = int(attention_min_rows) if attention_min_rows is not None else (2 if auto else 1)
         self.attention_settings = {"mode": attention_mode, "block_n": int(attention_block_n),
-                                   "num_warps": int(attention_warps), "split_n": int(attention_split_n)}
+                                   "num_warps": int(attention_warps), "split_n": int(attention_split_n),
+                                   "min_rows": min_rows}
         if attention == "triton":
             why = (check_triton_settings(attention_mode, self.attention_settings["block_n"], "attention_",
                                          self.attention_settings["split_n"])
@@ -232,6 +242,7 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         check_attention(target)  # flash / flex targets cannot take the rounds' 4D mask: refused now, by name
         if drafter is not None:
             drafter.bind_target(target)
+            install_output_hooks(target)  # the rounds ask for hidden states: hooks in place before any compile
         # the caches and every round's 4D mask span max_len keys: rounded up to a multiple of MAX_LEN_ALIGN so the
         # attention kernels read aligned rows (see MAX_LEN_ALIGN)
         self.max_len = -(-int(max_len) // MAX_LEN_ALIGN) * MAX_LEN_ALIGN
@@ -345,6 +356,8 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
                              f"{max_new_tokens} new tokens + a block of {k}.")
         eos = eos_tensor(eos_token_id).to(dev)
         tree = check_tree(tree, self.drafter, longest + max_new_tokens, self.max_len, tree_nodes)
+        if tree is not None:  # the tree's tensors made here, not on the first round: made inside a compiled round,
+            tree.tensors(dev)  # their Python loop over nodes broke its graph in two places (three inductor graphs)
         n_noise = (tree.num_nodes if tree_nodes is None else tree_nodes) + 1 if tree is not None and do_sample else None
         st = self._state(b, k, max_new_tokens, eos.numel(), dev, dtype, n_noise)
 

@@ -83,4 +83,17 @@ def capture_round(round_fn, tensors: list[torch.Tensor], warmup: int = 3) -> tor
     return graph
 
 
-__all__ = ["capture_round", "restored"]
+def install_output_hooks(target) -> None:
+    """Run one token through `target` asking for its hidden states, outside any compile. Why: transformers (5.x)
+    installs its hidden-state capturing hooks lazily, on the first forward that asks for hidden states. Where that
+    forward is the engine's first compiled prefill or round, the installation (under a lock) breaks the compiled graph,
+    and the breaks stay in the compiled code: inductor compiles it in pieces that cannot fuse across
+    (`examples/compile_census.py`, `tests/test_engine_tree.py`). A real forward installs exactly the hooks the model's
+    own code would; installing them by hand on every sub-model registered them twice on the decoder layers (each
+    hidden state was collected twice, and the drafter read the wrong layers)."""
+    ids = torch.zeros(1, 1, dtype=torch.long, device=target.device)
+    with torch.no_grad():
+        target(input_ids=ids, output_hidden_states=True, use_cache=False)
+
+
+__all__ = ["capture_round", "install_output_hooks", "restored"]
