@@ -168,13 +168,13 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         of that many, each walked by its own program at the same time, and the last to finish folds their results
         together; 0: one program walks them all). It needs Triton and a CUDA target (the CPU tests run it in
         Triton's interpreter).
-        "auto" (the default) takes "triton" for a bf16 or fp16 target on CUDA when Triton is installed, else "sdpa".
-        On the H200 (bf16, batch 1) a 31-node tree + lookup round took 1.77 instead of 2.02 ms and a plain step 1.05
-        instead of 1.08 ms (`examples/results/h200-2026-12-03b`). In fp32 the kernel is exact (no TF32: fp32 greedy
-        decoding on the H200 equalled plain decoding) but slow (47 query rows: 887 against 29 us a layer), so "auto"
-        leaves fp32 targets on SDPA. Why the splits: without them one program walks a row block's keys one block after
-        another, about 2.8 us per 128 keys at one query row, so with 1800 keys in use of 2048 a layer took 40.8 us
-        against SDPA's 6.9; with 256-key parts 12.0 (`examples/results/h200-2026-12-03c`).
+        "auto" (the default) takes "triton" for a bf16 or fp16 target on CUDA when Triton is installed, else "sdpa". On
+        the H200 (bf16, batch 1, the kernel for every call) a 31-node tree + lookup round took 1.77 instead of 2.02 ms
+        and a plain step 1.05 instead of 1.08 ms (`examples/results/h200-2026-12-03b`). In fp32 the kernel is exact (no
+        TF32: fp32 greedy decoding on the H200 equalled plain decoding) but slow (47 query rows: 887 against 29 us a
+        layer), so "auto" leaves fp32 targets on SDPA. Why the splits: without them one program walks a row block's keys
+        one block after another, about 2.8 us per 128 keys at one query row, so with 1800 keys in use of 2048 a layer
+        took 40.8 us against SDPA's 6.9; with 256-key parts 12.0 (`examples/results/h200-2026-12-03c`).
         `attention_min_rows`: calls with fewer query rows go to SDPA. "auto" sets 2, so plain decoding steps (one row)
         stay on SDPA, whose cost at one row hardly depends on the cache (6.6-6.9 us a layer for 200 to 1800 keys in
         use), while the kernel's grows with the keys in use (6.0 us at 200, 8.1 at 400, 12.0 at 1800, 256-key parts).

@@ -19,15 +19,17 @@ flash attention's running max and sum (fp32) over key blocks of `BLOCK_N`:
   * `skip`: no first pass; the walk covers the whole cache.
   In both, a key block whose mask is empty for all the program's rows is skipped (its K/V never read).
 
-Split over keys (`split_n`, flash-decoding's idea): one program walks its keys one block after another, about 2.8 us
-per 128 keys at one query row on the H200, so with 1800 keys in use of 2048 a layer took 42.5 us against SDPA's 6.8
-(`h200-2026-12-03c`). With `split_n` the grid gets a third axis: part s walks keys [s * split_n, (s+1) * split_n)
-only. Every part first finds (scan) how many parts hold a seen key; parts past them exit at once, and where one part
-holds them all it writes the output itself, as without splitting, so short contexts pay only the scan of the extra
-programs. Otherwise each part stores its running max, sum and unnormalised output (fp32) to a workspace and bumps an
-arrival counter; the part that arrives last folds all of them together, writes the output and sets the counter back to
-zero. So the split costs no second kernel and no memset between layers, which at this model's size would cost about
-as much as the attention itself. The counters live for the process (`_counters`, allocated before any capture).
+Split over keys (`split_n`, flash-decoding's idea): one program walks its keys one block after another, about 2.8 us per
+128 keys at one query row on the H200, so with 1800 keys in use of 2048 a layer took 40.8-42.5 us against SDPA's 6.8-6.9
+(`h200-2026-12-03c`; 12.0 us with 256-key parts, 20.3 instead of 47.6 us at 47 rows, SDPA 34.2). With `split_n` the grid
+gets a third axis: part s walks keys [s * split_n, (s+1) * split_n) only. Every part first finds (scan) how many parts
+hold a seen key; parts past them exit at once, and where one part holds them all it writes the output itself, as without
+splitting, so short contexts pay only the scan of the extra programs. Otherwise each part stores its running max, sum
+and unnormalised output (fp32) to a workspace and bumps an arrival counter; the part that arrives last folds all of them
+together, writes the output and sets the counter back to zero. So the split costs no second kernel and no memset between
+layers, which at this model's size would cost about as much as the attention itself. The counters live for the process
+(`_counters`, allocated before any capture), one set per device: two split launches running at once on one device (two
+streams) would share them, so decode on one stream per device, as the engine does.
 
 On the H200 (bf16, 200 committed keys of 640) `scan` with 128-key blocks and 4 warps was the fastest setting tried:
 5.7 / 8.3 us a layer at 1 / 47 query rows against SDPA's 6.6 / 14.0 (`h200-2026-12-03b`; `skip` 9.9 / 10.9).
