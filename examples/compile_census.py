@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' tiny model builders
 sys.path.insert(0, str(ROOT / "examples"))
 
-WIDE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0), (0, 0, 1)]
+from test_engine_tree import WIDE  # noqa: E402  (the tests' 11-node tree)
+
 MODES = {  # mode -> (with a drafter, generate() arguments)
     "ar": (False, {}),
     "lookup": (False, {"prompt_lookup_num_tokens": 3}),

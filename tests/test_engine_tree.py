@@ -2,6 +2,9 @@
 a wider tree accepts at least as much per round, the K/V move, sampled trees that follow the target's law, and clear
 errors."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import build_drafter, build_target
@@ -71,26 +74,20 @@ def test_compiled_tree_round_equals_eager():
     assert fast.last_mode == "eager +compile"
 
 
-@pytest.mark.parametrize("kind", ["tree", "linear"])
-def test_compiled_round_is_one_graph(kind):
-    """A compiled round (and the compiled row prefill) each trace as one graph on a fresh target. Until 2026-12-03
-    two things broke them: the tree's tensors were made on the first round, inside the compiled function, and their
-    Python loop broke the tree round twice; and transformers installed its hidden-state hooks on the first forward
-    that asked for hidden states, inside the compiled prefill or round (`graphs.install_output_hooks`). Inductor
-    then compiled each in pieces that could not fuse across the breaks."""
-    from torch._dynamo.utils import counters
+@pytest.mark.parametrize("mode", ["tree_lookup", "linear"])
+def test_compiled_round_is_one_graph(mode):
+    """A compiled round (and the compiled row prefill) each trace as one graph on a fresh target
+    (`examples/compile_census.py`, which decodes a mode as a user's first call). Until 2026-12-03 two things broke
+    them: the tree's tensors were made on the first round, inside the compiled function, and their Python loop broke
+    the tree round twice; and transformers installed its hidden-state hooks on the first forward that asked for hidden
+    states, inside the compiled prefill or round (`graphs.install_output_hooks`). Inductor then compiled each in
+    pieces that could not fuse across the breaks."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from compile_census import census
 
-    target = build_target("llama", seed=5)  # fresh: no forward has installed any hooks yet
-    drafter = build_drafter(target, "dflash", True)
-    torch._dynamo.reset()  # the round may have been compiled by an earlier test: trace it anew
-    counters.clear()
-    fast = SpeculativeEngine(target, drafter, max_len=96, compile="aot_eager")
-    fast.row_prefill = True  # the compiled row prefill, as on the GPU (the first forward of the call)
-    kw = dict(tree=WIDE, tree_nodes=5, prompt_lookup_num_tokens=3) if kind == "tree" else {}
-    fast.generate(_prompts(1, (4, 9)), max_new_tokens=12, **kw)
-    assert fast.last_mode == "eager +compile"
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # the row prefill and the round
+    row = census(mode)
+    assert row["last_mode"] == "eager +compile"
+    assert (row["graphs"], row["breaks"]) == (2, 0), row  # the row prefill and the round, no break
 
 
 def test_accept_tree_picks_the_matching_path():

@@ -242,7 +242,8 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         check_attention(target)  # flash / flex targets cannot take the rounds' 4D mask: refused now, by name
         if drafter is not None:
             drafter.bind_target(target)
-            install_output_hooks(target)  # the rounds ask for hidden states: hooks in place before any compile
+            if self.compile:  # the rounds ask for hidden states: hooks in place before the first compiled call
+                install_output_hooks(target)
         # the caches and every round's 4D mask span max_len keys: rounded up to a multiple of MAX_LEN_ALIGN so the
         # attention kernels read aligned rows (see MAX_LEN_ALIGN)
         self.max_len = -(-int(max_len) // MAX_LEN_ALIGN) * MAX_LEN_ALIGN
