@@ -123,6 +123,13 @@ class CarryoverCandidateGenerator(CandidateGenerator):
         self._pending = None
 
     # -------------------------------------------------------------- drafting
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The most tokens one round proposes, drafted or looked up (both stop at the drafter's `num_proposals`).
+        transformers 5.25 reads it in assisted decoding to size the recurrent-state history of linear-attention
+        caches, and fails without it."""
+        return self.config.num_proposals
+
     def get_candidates(self, input_ids, model_kwargs=None, model_outputs=None, is_first_iteration=False,
                        n_last_matches=0, **kwargs):
         if is_first_iteration:
