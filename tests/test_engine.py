@@ -208,6 +208,36 @@ def test_repeated_generate_reuses_buffers_and_equals_fresh_engines(typ):
     assert engine._states[(2, k, 31 + k, 0, w)].out is out and engine._caches[2][0].k[0] is cache_k
 
 
+TREE = [(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]
+
+
+@pytest.mark.parametrize("mode", ["ar", "pld", "linear", "tree_lookup", "linear_lookup"])
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_run_ahead_equals_the_blocking_loop_with_one_round_more(mode, do_sample):
+    """`run_ahead` launches the next round before reading the last one's flags, so after the last row finishes one
+    more round runs: it must change nothing (tokens, round logs, lookup logs, the sampler's draws of the rounds that
+    count). Rows finish at different rounds here (an EOS list and prompts of other lengths), so the extra round also
+    passes over rows that finished earlier. Where the next round depends on the host's read (the drafter-skipping
+    lookup variant, continuous batching's refills), the blocking loop runs: no extra round."""
+    target = build_target("llama", seed=5)
+    drafter = None if mode in ("ar", "pld") else build_drafter(target, "dflash", True)
+    prompts = _prompts(3, (4, 11, 2))
+    kw = dict(max_new_tokens=27, do_sample=do_sample, temperature=0.8, seed=3, eos_token_id=list(range(3, 99, 8)),
+              prompt_lookup_num_tokens=3 if mode in ("pld", "tree_lookup", "linear_lookup") else None,
+              tree=TREE if mode.startswith("tree") else None)
+    blocking = SpeculativeEngine(target, drafter, max_len=96, run_ahead=False)
+    ref = blocking.generate(prompts, **kw)
+    engine = SpeculativeEngine(target, drafter, max_len=96)
+    assert engine.generate(prompts, **kw) == ref
+    assert engine.rounds == blocking.rounds and engine.lookup_rounds == blocking.lookup_rounds
+    assert len({len(r) for r in blocking.rounds}) > 1, "rows should finish at different rounds"
+    assert blocking.last_launched >= max(len(r) for r in blocking.rounds) > 0
+    assert engine.last_launched == blocking.last_launched + (mode != "linear_lookup")
+    queued = engine.generate(prompts, batch_size=2, **kw)  # continuous batching: refills between rounds
+    assert queued == blocking.generate(prompts, batch_size=2, **kw)
+    assert engine.last_launched == blocking.last_launched
+
+
 def test_cuda_graphs_on_cpu_runs_eagerly_without_warning():
     target = build_target("llama")
     drafter = build_drafter(target, "dflash", True)

@@ -43,7 +43,7 @@ from .attention import TRITON_ATTENTION, check_attention, engine_attention
 from .triton_attention import available as triton_available
 from .triton_attention import check_settings as check_triton_settings
 from .fuse_projections import FuseSharedInputMatmuls
-from .graphs import capture_round, install_output_hooks
+from .graphs import capture_round, install_output_hooks, run_ahead
 from .linear_round import LinearRounds
 from .refill import RowPrefill
 from .sampling import inverse_cdf, point_mass, running_mass
@@ -107,7 +107,8 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
                  compile: bool | str = False, lookup_skips_drafter: bool = True, compile_options: dict | None = None,
                  lookup_siblings: bool = True, lookup_confidence: float | None = None, lookup_min_ngram: int = 3,
                  attention: str = "auto", attention_mode: str = "scan", attention_block_n: int = 128,
-                 attention_warps: int = 4, attention_split_n: int = 256, attention_min_rows: int | None = None):
+                 attention_warps: int = 4, attention_split_n: int = 256, attention_min_rows: int | None = None,
+                 run_ahead: bool = True):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -179,7 +180,13 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         stay on SDPA, whose cost at one row hardly depends on the cache (6.6-6.9 us a layer for 200 to 1800 keys in
         use), while the kernel's grows with the keys in use (6.0 us at 200, 8.1 at 400, 12.0 at 1800, 256-key parts).
         For 47 rows (a tree round) the kernel was faster at every length measured (8.6 / 12.1 / 20.3 us against
-        SDPA's 14.1 / 14.1 / 34.2). attention="triton" sets 1 (the kernel for every call it takes)."""
+        SDPA's 14.1 / 14.1 / 34.2). attention="triton" sets 1 (the kernel for every call it takes).
+
+        run_ahead=True: the decode loop keeps one round queued ahead of its one read per round (`graphs.run_ahead`),
+        so the GPU does not wait for the host between rounds; each call then runs one round more than it needs (a
+        no-op for finished rows). Not with continuous batching's refills, the drafter-skipping lookup variant, phase
+        timing or a `round_hook`: there the next round depends on what the host reads. False: the blocking loop.
+        `self.last_launched` counts the last call's rounds launched."""
         if attention not in ("auto", "sdpa", "triton"):
             raise ValueError(f"attention={attention!r}: 'auto', 'sdpa' or 'triton'.")
         if attention_min_rows is not None and int(attention_min_rows) < 1:
@@ -209,6 +216,8 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         self.lookup_skips_drafter = lookup_skips_drafter
         self.lookup_siblings = lookup_siblings
         self.skipped_drafts = 0
+        self.run_ahead = bool(run_ahead)
+        self.last_launched = 0
         # diagnostics (`trainer/gpu_replay_diff.py`): called with the DecodeState after every round, eager or
         # replayed; None (the default) costs nothing
         self.round_hook = None
@@ -423,7 +432,24 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
             self.last_mode += " +compile"
         clock = PhaseClock(self.profile, dev, self.timing)
         self.skipped_drafts = 0
-        while True:
+
+        def launch(draft=True):  # one round: its uniforms, then the replay or the eager round
+            if do_sample:
+                st.draw(gen)  # outside the graph: the generator advances exactly as in the eager loop
+            if graphs[draft] is not None:
+                graphs[draft].replay()
+            elif tree is not None:
+                step(st, tree, lookup, tree_nodes, do_sample)
+            else:
+                step(st, do_sample, clock, lookup, draft)
+            if self.round_hook is not None:
+                self.round_hook(st)
+
+        # one round queued ahead of the host (`graphs.run_ahead`) wherever no round depends on the host's read of
+        # the last one: not with refills waiting, a drafter-skipping lookup variant, phase timing or a round hook
+        ahead = self.run_ahead and not waiting and not skip_ok and not self.profile and self.round_hook is None
+        self.last_launched = run_ahead(launch, st.flags) if ahead else 0
+        while not ahead:
             flags = st.flags.tolist()  # the one host sync per round (outputs stay on the device)
             all_done, all_look, row_done = flags[0], flags[1], flags[2:]
             if waiting:  # continuous batching: read out finished rows and give them the next prompts
@@ -439,16 +465,8 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
                 break
             draft = not (skip_ok and all_look)
             self.skipped_drafts += not draft
-            if do_sample:
-                st.draw(gen)  # outside the graph: the generator advances exactly as in the eager loop
-            if graphs[draft] is not None:
-                graphs[draft].replay()
-            elif tree is not None:
-                step(st, tree, lookup, tree_nodes, do_sample)
-            else:
-                step(st, do_sample, clock, lookup, draft)
-            if self.round_hook is not None:
-                self.round_hook(st)
+            launch(draft)
+            self.last_launched += 1
         read_out([r for r in range(b) if slot[r] is not None])
         self.rounds, self.lookup_rounds = rounds, looked
         return outputs
