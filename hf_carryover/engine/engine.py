@@ -180,7 +180,9 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         stay on SDPA, whose cost at one row hardly depends on the cache (6.6-6.9 us a layer for 200 to 1800 keys in
         use), while the kernel's grows with the keys in use (6.0 us at 200, 8.1 at 400, 12.0 at 1800, 256-key parts).
         For 47 rows (a tree round) the kernel was faster at every length measured (8.6 / 12.1 / 20.3 us against
-        SDPA's 14.1 / 14.1 / 34.2). attention="triton" sets 1 (the kernel for every call it takes).
+        SDPA's 14.1 / 14.1 / 34.2). attention="triton" sets 1 (the kernel for every call it takes). The choice costs
+        at short contexts: in a profile of 3 MT-Bench prompts a plain step's SDPA took 7.1 us a layer (0.214 ms a step,
+        `examples/results/h200-2026-12-03d`), where the kernel had taken 0.184 ms a step on other prompts (12-03c).
 
         run_ahead=True: the decode loop keeps one round queued ahead of its one read per round (`graphs.run_ahead`),
         so the GPU does not wait for the host between rounds; each call then runs one round more than it needs (a

@@ -102,13 +102,16 @@ def run_ahead(launch, flags: torch.Tensor) -> int:
     Returns the number of rounds launched.
 
     Why: with one blocking read per round the GPU idles while the host reads the flags, checks them and launches the
-    next replay (on the H200 a 31-node tree round took 1.78 ms per round in `generate()` against 1.64 ms replayed
-    and synced alone, `examples/results/h200-2026-12-03c`). Here round r's flags travel to pinned host memory by an
-    asynchronous copy behind round r, and while the host waits for them round r+1 is already queued, so the GPU
-    goes from one round to the next without a gap. The price is one round launched after the last row finished:
-    such a round leaves every output unchanged (a finished row keeps its tokens, counters and anchor; rows finish
-    at different rounds in any batch, so the rounds are written for it), and it costs one round of GPU time per call.
-    Still one host sync per round. Off CUDA the copies are synchronous and the same order of rounds runs (what the
+    next replay (a captured 31-node tree round on the H200: 1.583 ms back to back, 1.628 ms with a sync after each,
+    `examples/results/h200-2026-12-03d`). Here round r's flags travel to pinned host memory by an asynchronous copy
+    behind round r, and while the host waits for them round r+1 is already queued, so the GPU goes from one round to
+    the next without a gap (the host's profile of a call then waits in `Event.synchronize`). Measured in
+    `generate()` with it: 1.717 ms a tree round on HumanEval and 1.044 ms a plain step, against 1.733-1.767 and
+    1.056-1.075 in 12-03c, which also lacked the one-graph compile of the round (not separated).
+    The price is one round launched after the last row finished: such a round leaves every output unchanged (a
+    finished row keeps its tokens, counters and anchor; rows finish at different rounds in any batch, so the rounds
+    are written for it), and it costs one round of GPU time per call (~3 % of a 33-round HumanEval call). Still one
+    host sync per round. Off CUDA the copies are synchronous and the same order of rounds runs (what the
     CPU tests check against the blocking loop)."""
     on_cuda = flags.is_cuda
     host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=on_cuda)
