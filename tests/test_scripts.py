@@ -858,7 +858,7 @@ def test_evaluate_tau_refuses_engine_keys_without_engine(tmp_path):
     r = subprocess.run([sys.executable, script, "--drafters", "x=nowhere,lookup=4,lookup_siblings=false",
                         "--out", str(tmp_path)], capture_output=True, text=True)
     assert r.returncode != 0 and "]: lookup_siblings (of lookup_siblings/" in r.stderr, r.stderr
-    assert "attention_min_rows) are SpeculativeEngine arguments: they need --engine" in r.stderr
+    assert "run_ahead) are SpeculativeEngine arguments: they need --engine" in r.stderr
 
 
 def test_evaluate_tau_specs_and_held_out_prompts(tmp_path):
@@ -890,6 +890,12 @@ def test_benchmark_passes_a_specs_engine_keys_and_records_them(tmp_path):
     assert engines["a"].lookup_min_ngram == 3 and engines["b"].lookup_min_ngram == 2
     rows = {n: run_engine(e, [[3, 7, 11, 3, 7]], 6, 1, None, lookup=3) for n, e in engines.items()}
     assert "engine_options" not in rows["a"] and rows["b"]["engine_options"] == {"lookup_min_ngram": 2}
+    import inspect
+
+    from evaluate_tau import ENGINE_KEYS
+    from hf_carryover.engine.engine import SpeculativeEngine
+    params = inspect.signature(SpeculativeEngine).parameters  # a spec key the engine does not take fails late, on a GPU
+    assert [k for k in ENGINE_KEYS if k not in params] == []
 
 
 def test_compile_census_counts_graphs_and_breaks(tmp_path):
