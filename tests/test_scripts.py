@@ -912,3 +912,20 @@ def test_compile_census_counts_graphs_and_breaks(tmp_path):
     assert (ar["graphs"], ar["breaks"]) == (2, 0), ar
     assert sampled["breaks"] >= 1 and all("disable" in r for r in sampled["reasons"]), sampled
 
+
+
+def test_pass_determinism_flags_rows_whose_passes_decoded_different_tokens(tmp_path, capsys):
+    """examples/pass_determinism.py: a row timed in several passes is flagged when their token counts differ; rows of
+    one pass and rows without a pass field are left out; passes are compared per file, method and dataset."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import pass_determinism
+
+    raw = tmp_path / "bench_raw.jsonl"
+    rows = [("engine_ar@1", "mt", 0, 100), ("engine_ar@1", "mt", 1, 97), ("engine_tree_lookup31:x@1", "mt", 0, 90),
+            ("engine_tree_lookup31:x@1", "mt", 1, 90), ("engine_ar@1", "he", 0, 50), ("hf_eager", "mt", 0, 80)]
+    raw.write_text("".join(json.dumps({"method": m, "dataset": d, "pass": p, "tokens": t}) + "\n"
+                           for m, d, p, t in rows) + json.dumps({"method": "engine_ar@1", "dataset": "mt", "tokens": 1})
+                   + "\n")
+    summary = pass_determinism.main([str(raw)])
+    assert summary == {"engine_ar": (1, 1), "engine_tree_lookup31": (1, 0)}
+    assert "tokens per pass [100, 97]" in capsys.readouterr().out

@@ -183,6 +183,9 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         SDPA's 14.1 / 14.1 / 34.2). attention="triton" sets 1 (the kernel for every call it takes). The choice costs
         at short contexts: in a profile of 3 MT-Bench prompts a plain step's SDPA took 7.1 us a layer (0.214 ms a step,
         `examples/results/h200-2026-12-03d`), where the kernel had taken 0.184 ms a step on other prompts (12-03c).
+        And SDPA at one row (cuDNN) is not run-to-run deterministic in bf16 on the H200: in 38 of 46 benchmark rows
+        of plain decoding on it, repeated passes decoded different texts, never on the kernel (12-03d's
+        `pass_determinism.txt`); attention="triton" gives reproducible bf16 plain decoding.
 
         run_ahead=True: the decode loop keeps one round queued ahead of its one read per round (`graphs.run_ahead`),
         so the GPU does not wait for the host between rounds; each call then runs one round more than it needs (a
