@@ -913,7 +913,6 @@ def test_compile_census_counts_graphs_and_breaks(tmp_path):
     assert sampled["breaks"] >= 1 and all("disable" in r for r in sampled["reasons"]), sampled
 
 
-
 def test_pass_determinism_flags_rows_whose_passes_decoded_different_tokens(tmp_path, capsys):
     """examples/pass_determinism.py: a row timed in several passes is flagged when their token counts differ; rows of
     one pass and rows without a pass field are left out; passes are compared per file, method and dataset."""
