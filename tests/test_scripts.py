@@ -922,9 +922,12 @@ def test_pass_determinism_flags_rows_whose_passes_decoded_different_tokens(tmp_p
     raw = tmp_path / "bench_raw.jsonl"
     rows = [("engine_ar@1", "mt", 0, 100), ("engine_ar@1", "mt", 1, 97), ("engine_tree_lookup31:x@1", "mt", 0, 90),
             ("engine_tree_lookup31:x@1", "mt", 1, 90), ("engine_ar@1", "he", 0, 50), ("hf_eager", "mt", 0, 80)]
+    sampled = [("engine_tree_lookup31:x@1", "mt", 0, 70), ("engine_tree_lookup31:x@1", "mt", 1, 70)]  # T=1: apart
     raw.write_text("".join(json.dumps({"method": m, "dataset": d, "pass": p, "tokens": t}) + "\n"
-                           for m, d, p, t in rows) + json.dumps({"method": "engine_ar@1", "dataset": "mt", "tokens": 1})
-                   + "\n")
+                           for m, d, p, t in rows)
+                   + "".join(json.dumps({"method": m, "dataset": d, "pass": p, "tokens": t, "temperature": 1.0}) + "\n"
+                             for m, d, p, t in sampled)
+                   + json.dumps({"method": "engine_ar@1", "dataset": "mt", "tokens": 1}) + "\n")
     summary = pass_determinism.main([str(raw)])
-    assert summary == {"engine_ar": (1, 1), "engine_tree_lookup31": (1, 0)}
+    assert summary == {"engine_ar": (1, 1), "engine_tree_lookup31": (2, 0)}
     assert "tokens per pass [100, 97]" in capsys.readouterr().out
