@@ -109,7 +109,13 @@ def _flex_attention():
 
 
 class DrafterAttention(nn.Module):
-    """Qwen3-style attention whose keys/values are `[external K/V pieces | own block K/V]` (KV injection)."""
+    """Qwen3-style attention whose keys/values are `[external K/V pieces | own block K/V]` (KV injection).
+
+    `kernel`: None (SDPA), or a function `(q, k_pieces, v_pieces, mask, key_bias) -> [b, q, heads, head_dim]` or None
+    that a decoding engine sets for its calls (`hf_carryover.engine.attention.DrafterKernel`: a kernel that reads only
+    the keys in use of a static cache); it gets the grouped K/V pieces in order, block last, and a boolean mask."""
+
+    kernel = None
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
@@ -143,6 +149,12 @@ class DrafterAttention(nn.Module):
         q = self.q_norm(self._heads(self.q_proj(hidden), self.num_heads))
         q, _ = apply_rotary_pos_emb(q, q, cos, sin)
         k_blk, v_blk = self.project_kv(hidden, cos, sin)
+        boolean = isinstance(attn_mask, torch.Tensor) and attn_mask.dtype == torch.bool
+        if self.kernel is not None and kv_store is None and boolean:
+            out = self.kernel(q, [kv[0] for kv in kv_pieces] + [k_blk], [kv[1] for kv in kv_pieces] + [v_blk],
+                              attn_mask, key_bias)
+            if out is not None:  # [b, q, heads, hd] -> [b, q, heads * hd]
+                return self.o_proj(out.flatten(2))
         k = torch.cat([kv[0] for kv in kv_pieces] + [k_blk], dim=2)
         v = torch.cat([kv[1] for kv in kv_pieces] + [v_blk], dim=2)
         if kv_store is not None:

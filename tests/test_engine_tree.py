@@ -17,8 +17,8 @@ from hf_carryover.engine import engine as engine_mod
 from hf_carryover.engine import refill as refill_mod
 from hf_carryover.engine.engine import DecodeState, SpeculativeEngine
 from hf_carryover.engine.static_cache import TargetStaticCache
-from hf_carryover.engine.tree import (TreeSpec, accept_tree, lookup_chain_lp, lookup_ranks, node_ranks, node_tokens,
-                                      select_tree, static_tree)
+from hf_carryover.engine.tree import (TreeSpec, accept_tree, best_ids, lookup_chain_lp, lookup_ranks, node_ranks,
+                                      node_tokens, ranked_topk, select_tree, static_tree)
 
 WIDE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0), (0, 0, 1)]
 
@@ -145,6 +145,49 @@ def test_select_tree_keeps_the_likeliest_paths_as_a_tree():
                 chain.add(j)
                 j = parent[j]
             assert set(anc[i].nonzero()[:, 0].tolist()) == chain
+
+
+@pytest.mark.parametrize("vocab", [5120, 4999, 1500])
+def test_ranked_topk_is_topk(vocab):
+    """`ranked_topk` returns topk's values, largest first, and indices that hold them, equal values in index order:
+    on random logits (chunks of 1024; a vocabulary that is no multiple of it is padded; a short one is topk itself)
+    and on integer-valued ones, full of ties."""
+    g = torch.Generator().manual_seed(vocab)
+    for x in (torch.randn(2, 5, vocab, generator=g), torch.randint(0, 40, (2, 5, vocab), generator=g).float()):
+        vals, ids = ranked_topk(x, 8)
+        ref_vals, ref_ids = x.topk(8, -1)
+        assert torch.equal(vals, ref_vals) and torch.equal(x.gather(-1, ids), vals)
+        assert all(len(set(row)) == 8 for row in ids.flatten(0, 1).tolist())  # no index twice
+        tie = vals[..., 1:] == vals[..., :-1]
+        assert (ids[..., 1:] > ids[..., :-1])[tie].all()
+        if x.dtype == torch.float32 and x.frac().abs().sum() > 0:  # random logits: no ties, topk's very indices
+            assert torch.equal(ids, ref_ids)
+
+
+def test_best_ids_keeps_the_best_in_index_order():
+    """`best_ids` keeps the n best scores, ties to the lower index (a stable sort's choice), in index order, with
+    or without `ranked`; without ties both equal topk + sort."""
+    g = torch.Generator().manual_seed(3)
+    for score in (torch.randn(3, 200, generator=g), torch.randint(0, 5, (3, 200), generator=g).float()):
+        ref = torch.sort(-score, dim=1, stable=True).indices[:, :31].sort(1).values
+        assert torch.equal(best_ids(score, 31), ref)
+        if score.frac().abs().sum() > 0:
+            assert torch.equal(best_ids(score, 31, ranked=False), ref)
+
+
+def test_tree_topk_choice_gives_the_same_rounds():
+    """tree_topk="ranked" (the default) and "torch" pick the same tree nodes and tokens on an untrained drafter's
+    logits (no ties): same output and rounds, static and dynamic trees, with a lookup; a bad value is refused."""
+    target = build_target("llama", seed=4)
+    drafter = build_drafter(target, "dflash", True)
+    prompts = _prompts(2, (5, 11))
+    for nodes in (None, 6):
+        runs = [SpeculativeEngine(target, drafter, max_len=96, tree_topk=how) for how in ("ranked", "torch")]
+        outs = [e.generate(prompts, max_new_tokens=20, tree=WIDE, tree_nodes=nodes, prompt_lookup_num_tokens=3)
+                for e in runs]
+        assert outs[0] == outs[1] and runs[0].rounds == runs[1].rounds
+    with pytest.raises(ValueError, match="tree_topk"):
+        SpeculativeEngine(target, drafter, tree_topk="sort")
 
 
 def test_cache_move_reads_before_writing():

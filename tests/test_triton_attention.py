@@ -167,6 +167,93 @@ def test_engine_with_triton_attention_decodes_plain_greedy_text():
     assert out["restored"] == "sdpa"
 
 
+def test_drafter_attention_on_the_kernel_equals_sdpa():
+    """The kernel's key bias (the carryover gate) against SDPA with the same bias in an additive mask; a gated
+    Carryover drafter's forward with its layers on `DrafterKernel` (cache rotated last) against SDPA; engines with
+    the drafter on the kernel against the same engines with it on SDPA (fp32: same tokens and rounds)."""
+    out = _run("""
+        import torch.nn.functional as F
+        from conftest import build_drafter, build_target
+        from test_engine import _prompts
+        from test_engine_tree import WIDE
+        from hf_carryover.engine import attention
+        from hf_carryover.engine.attention import DrafterKernel, use_drafter_kernel
+        from hf_carryover.engine.engine import SpeculativeEngine
+        from hf_carryover.engine.triton_attention import masked_gqa_attention
+        from hf_carryover.modeling_drafter import DrafterStaticCache
+
+        g = torch.Generator().manual_seed(0)
+        res = {}
+        Q = torch.randn(2, 6, 5, 16, generator=g)
+        K, V = torch.randn(2, 2, 90, 16, generator=g), torch.randn(2, 2, 90, 16, generator=g)
+        mask = torch.rand(2, 1, 5, 90, generator=g) < 0.7
+        bias = torch.randn(6, generator=g) * 3
+        for lo, hi in ((0, 0), (10, 25), (80, 90), (0, 90)):
+            add = torch.zeros(6, 90)
+            add[:, lo:hi] = bias[:, None]
+            add = torch.where(mask, add[None, :, None, :], float("-inf"))  # [2, 6, 5, 90]
+            ref = F.scaled_dot_product_attention(Q.double(), K.double(), V.double(), attn_mask=add.double(),
+                                                 enable_gqa=True).transpose(1, 2)
+            for split in (0, 32):
+                o = masked_gqa_attention(Q, K, V, mask, 16 ** -0.5, "scan", 16, 4, split, bias, lo, hi)
+                res[f"bias{lo}_{hi}s{split}"] = (o.double() - ref).abs().max().item()
+
+        target = build_target("qwen3")
+        drafter = build_drafter(target, "dflash", True, carryover_gate=-1.5)
+        with torch.no_grad():
+            drafter.carryover_gate.normal_(generator=g)  # a different bias per layer and head
+        cfg = drafter.config
+        cache = DrafterStaticCache(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, 48, cfg.head_dim, torch.float32,
+                                   "cpu")
+        feats = torch.randn(2, 20, drafter.fc.in_features, generator=g)
+        cache.write(drafter, drafter.fuse(feats), torch.arange(20)[None].expand(2, -1))
+        anchor = torch.tensor([12, 19])
+        B, k = cfg.block_size, cfg.num_proposals
+        block = drafter.embed_block(torch.tensor([[3], [7]]))
+        carry = torch.randn(2, k, drafter.fc.in_features, generator=g)
+        carry_valid = torch.tensor([[True] * k, [True] + [False] * (k - 1)])
+        ctx = torch.arange(48)[None] < anchor[:, None]
+        m = torch.cat([ctx, carry_valid, torch.ones(2, B, dtype=torch.bool)], 1)[:, None, None, :]
+        kw = dict(cache=cache, carryover_features=carry, carryover_positions=anchor[:, None] + 1 + torch.arange(k),
+                  attn_mask=m)
+        with torch.no_grad():
+            ref = drafter(block, anchor[:, None] + torch.arange(B), **kw)
+            calls = []
+            real = attention.masked_gqa_attention
+            attention.masked_gqa_attention = lambda *a: calls.append(a[-2:]) or real(*a)
+            settings = {"mode": "scan", "block_n": 16, "num_warps": 4, "split_n": 16}
+            with use_drafter_kernel(drafter, DrafterKernel(settings)):
+                got = drafter(block, anchor[:, None] + torch.arange(B), **kw)
+            attention.masked_gqa_attention = real
+        res["drafter"] = (got - ref).abs().max().item()
+        res["drafter_calls"] = calls  # (bias_lo, bias_hi) per layer: the carry rows first after the rotation
+        res["restored"] = [layer.self_attn.kernel for layer in drafter.layers] == [None] * cfg.num_hidden_layers
+
+        prompts = _prompts(0, (3, 9))
+        for name, kw in (("linear", {}), ("tree", dict(tree=WIDE, tree_nodes=5, prompt_lookup_num_tokens=3))):
+            runs = [SpeculativeEngine(target, drafter, max_len=64, attention="triton", attention_block_n=16,
+                                      drafter_attention=how) for how in ("triton", "sdpa")]
+            outs = [e.generate(prompts, max_new_tokens=12, **kw) for e in runs]
+            res[name] = outs[0] == outs[1] and runs[0].rounds == runs[1].rounds
+        res["auto"] = [SpeculativeEngine(target, drafter).drafter_attention,
+                       SpeculativeEngine(target, drafter, attention="triton").drafter_attention]
+        try:
+            SpeculativeEngine(target, drafter, drafter_attention="triton")
+            res["refused"] = None
+        except ValueError as e:
+            res["refused"] = str(e)
+        print(json.dumps(res))
+    """)
+    for name in ("bias0_0", "bias10_25", "bias80_90", "bias0_90"):
+        assert out[name + "s0"] < 2e-6 and out[name + "s32"] < 2e-6, out
+    assert out["drafter"] < 2e-5, out
+    k = out["drafter_calls"][0][1]
+    assert len(out["drafter_calls"]) == 2 and all(c == [0, k] for c in out["drafter_calls"]) and k > 0, out
+    assert out["restored"] and out["linear"] and out["tree"], out
+    assert out["auto"] == ["sdpa", "triton"], out
+    assert "drafter_attention='triton' needs attention='triton'" in out["refused"], out
+
+
 def test_triton_attention_option_errors():
     target = build_target("qwen3", num_layers=2)
     from hf_carryover.engine.engine import SpeculativeEngine

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -75,6 +76,56 @@ for _name, _fn in ((ATTENTION, gqa_sdpa_attention), (TRITON_ATTENTION, triton_gq
     AttentionMaskInterface.register(_name, sdpa_mask)  # masks built by transformers (none in engine rounds) as sdpa's
 
 
+class DrafterKernel:
+    """The drafter's attention in engine rounds through `masked_gqa_attention` (each drafter layer's `self_attn.kernel`
+    while the engine decodes, `use_drafter_kernel`; `SpeculativeEngine(drafter_attention=...)`).
+
+    Why: a round's drafter keys are its static cache (`max_len` slots, a few hundred of them committed context), the
+    carryover rows and the block, and SDPA reads all of them, the carryover gate folded into an additive mask: on the
+    H200 its three calls (cuDNN, 22.7 us each) took 0.068 of a 1.58 ms tree round (`examples/profile_engine.py`,
+    `h200-2026-12-03d`). The kernel reads only the keys up to the last one in use, so the cache goes last: the pieces
+    are rotated (attention does not depend on the order of its keys; the mask and the gate's span move with them) and
+    the last key in use is the end of the committed context. The gate is the kernel's key bias. Returns None (SDPA
+    then) for inputs the kernel does not take."""
+
+    def __init__(self, settings: dict):
+        self.settings = settings  # the engine's kernel settings (mode, block_n, num_warps, split_n)
+
+    def __call__(self, q, k_pieces, v_pieces, mask, key_bias):
+        st = self.settings
+        if mask.dim() != 4 or check_inputs(q, k_pieces[0], v_pieces[0], mask, st["mode"], st["block_n"]) is not None:
+            return None
+        first = k_pieces[0].shape[2] if len(k_pieces) > 1 else 0  # the first piece (the static cache) goes last
+        k = torch.cat(k_pieces[1:] + k_pieces[:1], 2)  # [b, kv_heads, keys, head_dim]
+        v = torch.cat(v_pieces[1:] + v_pieces[:1], 2)
+        mask = torch.cat([mask[..., first:], mask[..., :first]], -1)  # [b|1, 1, q|1, keys], rotated as the keys
+        bias, lo, hi = None, 0, 0
+        if key_bias is not None and key_bias[2] > 0:  # a span inside one piece: (start - first) mod keys
+            bias, start, n = key_bias
+            lo = start - first if start >= first else start + k.shape[2] - first
+            hi = lo + n
+        return masked_gqa_attention(q, k, v, mask, q.shape[-1] ** -0.5, st["mode"], st["block_n"], st["num_warps"],
+                                    st["split_n"], bias, lo, hi)
+
+
+@contextmanager
+def use_drafter_kernel(drafter, kernel):
+    """Run the body with every attention layer of `drafter` on `kernel` (a `DrafterKernel`, or None: SDPA), then put
+    back what they had, also after an error."""
+    layers = [m for m in drafter.modules() if hasattr(m, "kernel")] if drafter is not None else []
+    before = [m.__dict__.get("kernel") for m in layers]
+    for m in layers:
+        m.kernel = kernel
+    try:
+        yield
+    finally:
+        for m, k in zip(layers, before):
+            if k is None:
+                m.__dict__.pop("kernel", None)  # the class default (None) again
+            else:
+                m.kernel = k
+
+
 # implementations that cannot take the engine's 4D boolean mask over a static cache
 _REFUSED = ("flash_attention", "flex_attention", "paged")
 
@@ -113,5 +164,5 @@ def engine_attention(target, name: str = ATTENTION, triton_settings: dict | None
         TRITON_SETTINGS.update(saved)
 
 
-__all__ = ["ATTENTION", "TRITON_ATTENTION", "TRITON_SETTINGS", "check_attention", "engine_attention",
-           "gqa_sdpa_attention", "triton_gqa_attention"]
+__all__ = ["ATTENTION", "TRITON_ATTENTION", "TRITON_SETTINGS", "DrafterKernel", "check_attention", "use_drafter_kernel",
+           "engine_attention", "gqa_sdpa_attention", "triton_gqa_attention"]

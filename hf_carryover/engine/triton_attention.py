@@ -68,13 +68,14 @@ def available(device: torch.device | str = "cuda") -> str | None:
     return None
 
 
-def _attention_kernel(Q, K, V, M, O, WS, CNT, n_q, n_keys, scale_log2,
+def _attention_kernel(Q, K, V, M, O, WS, CNT, BIAS, n_q, n_keys, scale_log2, bias_lo, bias_hi,
                       sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, smb, smm, smn, sob, som, soh,
                       KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, KEY_BLOCKS: tl.constexpr, SCAN: tl.constexpr, PRECISION: tl.constexpr,
-                      SPLIT_N: tl.constexpr, SPLITS: tl.constexpr):
+                      SPLIT_N: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Grid (batch * KV_HEADS, cdiv(n_q * GROUPS, BLOCK_M), SPLITS). Row r of a program's block is query row
-    r // GROUPS with query head kv_head * GROUPS + r % GROUPS; split s walks keys [s * SPLIT_N, (s+1) * SPLIT_N)."""
+    r // GROUPS with query head kv_head * GROUPS + r % GROUPS; split s walks keys [s * SPLIT_N, (s+1) * SPLIT_N).
+    HAS_BIAS: keys bias_lo..bias_hi-1 get BIAS[head] (fp32, log2 units) added to their scores."""
     b = tl.program_id(0) // KV_HEADS
     h = tl.program_id(0) % KV_HEADS
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] (query row, head of the group) pairs
@@ -104,6 +105,8 @@ def _attention_kernel(Q, K, V, M, O, WS, CNT, n_q, n_keys, scale_log2,
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scaled scores (log2 units)
         l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(BIAS + head, mask=row_ok, other=0.0)  # [BLOCK_M]
         start = split * SPLIT_N
         stop = tl.minimum(start + SPLIT_N, n_end)
         while start < stop:
@@ -116,6 +119,9 @@ def _attention_kernel(Q, K, V, M, O, WS, CNT, n_q, n_keys, scale_log2,
                 k = tl.load(k_base + cols[:, None] * skn + d[None, :], mask=in_cache[:, None], other=0.0)
                 v = tl.load(v_base + cols[:, None] * svn + d[None, :], mask=in_cache[:, None], other=0.0)
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+                if HAS_BIAS:
+                    span = (cols >= bias_lo) & (cols < bias_hi)  # [BLOCK_N]
+                    s += tl.where(span[None, :], bias[:, None], 0.0)
                 s = tl.where(seen, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet: exp2(-inf) = 0
@@ -201,7 +207,7 @@ def split_plan(n_keys: int, block_n: int, split_n: int) -> tuple[int, int]:
     return per, -(-n_keys // per)
 
 
-def _launch(query, key, value, mask, scale, mode, block_n, num_warps, split_n=0):
+def _launch(query, key, value, mask, scale, mode, block_n, num_warps, split_n=0, bias=None, bias_lo=0, bias_hi=0):
     b, heads, n_q, d = query.shape
     kv_heads, n_keys = key.shape[1], key.shape[2]
     groups = heads // kv_heads
@@ -217,8 +223,12 @@ def _launch(query, key, value, mask, scale, mode, block_n, num_warps, split_n=0)
     else:  # unused by the kernel
         ws = cnt = out
     kw = {"num_warps": num_warps} if query.is_cuda else {}
+    has_bias = bias is not None and bias_hi > bias_lo
+    if has_bias:  # natural-log logits -> the kernel's log2 units, one fp32 value per query head
+        bias = (bias.float() * math.log2(math.e)).contiguous()
     # unit strides of the head dim are assumed (what transformers' projections give); checked by the caller
-    _attention_kernel[grid](query, key, value, mask, out, ws, cnt, n_q, n_keys, scale * math.log2(math.e),
+    _attention_kernel[grid](query, key, value, mask, out, ws, cnt, bias if has_bias else out, n_q, n_keys,
+                            scale * math.log2(math.e), int(bias_lo), int(bias_hi),
                             query.stride(0), query.stride(1), query.stride(2),
                             key.stride(0), key.stride(1), key.stride(2),
                             value.stride(0), value.stride(1), value.stride(2),
@@ -226,22 +236,26 @@ def _launch(query, key, value, mask, scale, mode, block_n, num_warps, split_n=0)
                             KV_HEADS=kv_heads, GROUPS=groups, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
                             KEY_BLOCKS=triton.cdiv(n_keys, block_n), SCAN=mode == "scan",
                             PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SPLIT_N=per,
-                            SPLITS=splits, **kw)
+                            SPLITS=splits, HAS_BIAS=has_bias, **kw)
     return out
 
 
 @torch.library.custom_op("hf_carryover::masked_gqa_attention", mutates_args=())
 def masked_gqa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                          scale: float, mode: str = "scan", block_n: int = 128, num_warps: int = 4,
-                         split_n: int = 0) -> torch.Tensor:
+                         split_n: int = 0, bias: torch.Tensor | None = None, bias_lo: int = 0,
+                         bias_hi: int = 0) -> torch.Tensor:
     """query `[b, heads, q, d]`, key/value `[b, kv_heads, L, d]`, boolean mask `[b or 1, 1, q, L]` ->
     `[b, q, heads, d]`. An opaque op to torch.compile (inductor calls it as it is) and capturable in CUDA graphs.
-    split_n: keys per split (`split_plan`; 0: one program walks all the keys of its rows)."""
-    return _launch(query, key, value, mask, scale, mode, block_n, num_warps, split_n)
+    split_n: keys per split (`split_plan`; 0: one program walks all the keys of its rows). bias `[heads]`: added to
+    the logits (after scaling) of keys bias_lo..bias_hi-1, per query head (the drafter's carryover gate), as an
+    additive mask would be."""
+    return _launch(query, key, value, mask, scale, mode, block_n, num_warps, split_n, bias, bias_lo, bias_hi)
 
 
 @masked_gqa_attention.register_fake
-def _(query, key, value, mask, scale, mode="scan", block_n=128, num_warps=4, split_n=0):
+def _(query, key, value, mask, scale, mode="scan", block_n=128, num_warps=4, split_n=0, bias=None, bias_lo=0,
+      bias_hi=0):
     b, heads, n_q, d = query.shape
     return query.new_empty(b, n_q, heads, d)
 
