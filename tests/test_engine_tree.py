@@ -18,7 +18,7 @@ from hf_carryover.engine import refill as refill_mod
 from hf_carryover.engine.engine import DecodeState, SpeculativeEngine
 from hf_carryover.engine.static_cache import TargetStaticCache
 from hf_carryover.engine.tree import (TreeSpec, accept_tree, best_ids, lookup_chain_lp, lookup_ranks, node_ranks,
-                                      node_tokens, ranked_topk, select_tree, static_tree)
+                                      node_tokens, select_tree, static_tree)
 
 WIDE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (2, 0), (0, 0, 0), (0, 1, 0), (1, 0, 0), (0, 0, 1)]
 
@@ -147,23 +147,6 @@ def test_select_tree_keeps_the_likeliest_paths_as_a_tree():
             assert set(anc[i].nonzero()[:, 0].tolist()) == chain
 
 
-@pytest.mark.parametrize("vocab", [5120, 4999, 1500])
-def test_ranked_topk_is_topk(vocab):
-    """`ranked_topk` returns topk's values, largest first, and indices that hold them, equal values in index order:
-    on random logits (chunks of 1024; a vocabulary that is no multiple of it is padded; a short one is topk itself)
-    and on integer-valued ones, full of ties."""
-    g = torch.Generator().manual_seed(vocab)
-    for x in (torch.randn(2, 5, vocab, generator=g), torch.randint(0, 40, (2, 5, vocab), generator=g).float()):
-        vals, ids = ranked_topk(x, 8)
-        ref_vals, ref_ids = x.topk(8, -1)
-        assert torch.equal(vals, ref_vals) and torch.equal(x.gather(-1, ids), vals)
-        assert all(len(set(row)) == 8 for row in ids.flatten(0, 1).tolist())  # no index twice
-        tie = vals[..., 1:] == vals[..., :-1]
-        assert (ids[..., 1:] > ids[..., :-1])[tie].all()
-        if x.dtype == torch.float32 and x.frac().abs().sum() > 0:  # random logits: no ties, topk's very indices
-            assert torch.equal(ids, ref_ids)
-
-
 def test_best_ids_keeps_the_best_in_index_order():
     """`best_ids` keeps the n best scores, ties to the lower index (a stable sort's choice), in index order, with
     or without `ranked`; without ties both equal topk + sort."""
@@ -176,8 +159,8 @@ def test_best_ids_keeps_the_best_in_index_order():
 
 
 def test_tree_topk_choice_gives_the_same_rounds():
-    """tree_topk="ranked" (the default) and "torch" pick the same tree nodes and tokens on an untrained drafter's
-    logits (no ties): same output and rounds, static and dynamic trees, with a lookup; a bad value is refused."""
+    """tree_topk="ranked" and "torch" (the default) pick the same tree nodes on an untrained drafter's logits (no
+    ties): same output and rounds, static and dynamic trees, with a lookup; a bad value is refused."""
     target = build_target("llama", seed=4)
     drafter = build_drafter(target, "dflash", True)
     prompts = _prompts(2, (5, 11))

@@ -40,7 +40,7 @@ import warnings
 import torch
 
 from ..generation_carryover import eos_tensor
-from .attention import TRITON_ATTENTION, DrafterKernel, check_attention, engine_attention, use_drafter_kernel
+from .attention import TRITON_ATTENTION, check_attention, drafter_kernel, engine_attention, use_drafter_kernel
 from .triton_attention import available as triton_available
 from .triton_attention import check_settings as check_triton_settings
 from .fuse_projections import FuseSharedInputMatmuls
@@ -109,7 +109,7 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
                  lookup_siblings: bool = True, lookup_confidence: float | None = None, lookup_min_ngram: int = 3,
                  attention: str = "auto", attention_mode: str = "scan", attention_block_n: int = 128,
                  attention_warps: int = 4, attention_split_n: int = 256, attention_min_rows: int | None = None,
-                 run_ahead: bool = True, tree_topk: str = "ranked", drafter_attention: str = "auto"):
+                 run_ahead: bool = True, tree_topk: str = "torch", drafter_attention: str = "sdpa"):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -194,11 +194,12 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         timing or a `round_hook`: there the next round depends on what the host reads. False: the blocking loop.
         `self.last_launched` counts the last call's rounds launched.
 
-        drafter_attention="triton": the drafter's attention in rounds runs through the same kernel, which then reads
-        only its keys in use (`attention.DrafterKernel`); "sdpa": SDPA over its whole cache; "auto": as `attention`.
+        drafter_attention="triton" (with attention="triton"): the drafter's attention in rounds runs through the same
+        kernel, which reads only its keys in use (`attention.DrafterKernel`); "sdpa" (the default): SDPA over its whole
+        cache. Not faster on the H200: 2009.5 against 2024.2 tok/s (HumanEval, tree 31 + lookup, `h200-2026-12-03e`).
 
-        tree_topk="ranked": tree rounds find the drafter's top tokens and the dynamic tree's best nodes without
-        `torch.topk` and sorts (`tree.ranked_topk`, `tree.best_ids`); "torch": with them. Same tokens but for ties."""
+        tree_topk="ranked": dynamic trees pick their nodes without topk and sort launches (`tree.best_ids`); "torch"
+        (the default): with them. The same nodes but for ties."""
         if attention not in ("auto", "sdpa", "triton"):
             raise ValueError(f"attention={attention!r}: 'auto', 'sdpa' or 'triton'.")
         if attention_min_rows is not None and int(attention_min_rows) < 1:
@@ -229,20 +230,9 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         self.lookup_siblings = lookup_siblings
         self.skipped_drafts = 0
         self.run_ahead = bool(run_ahead)
-        if drafter_attention not in ("auto", "sdpa", "triton"):
-            raise ValueError(f"drafter_attention={drafter_attention!r}: 'auto', 'sdpa' or 'triton'.")
-        if drafter_attention == "triton" and self.attention != "triton":
-            raise ValueError("drafter_attention='triton' needs attention='triton' (or 'auto' taking it): "
-                             f"this engine's attention is {self.attention!r}")
-        hook = drafter is not None and any(hasattr(m, "kernel") for m in drafter.modules())
-        if drafter_attention == "triton" and drafter is not None and not hook:
-            raise ValueError("drafter_attention='triton': this drafter's code has no attention `kernel` hook (remote "
-                             "code older than hf_carryover's modeling_drafter.py); load it with this package's code")
-        triton_drafter = hook and (drafter_attention == "triton" or (drafter_attention == "auto"
-                                                                      and self.attention == "triton"))
-        self.drafter_attention = "triton" if triton_drafter else "sdpa"
-        # one object for every call: compiled rounds guard on the layers' `kernel`
-        self._drafter_kernel = DrafterKernel(self.attention_settings) if triton_drafter else None
+        # one object for every call: compiled rounds guard on the drafter layers' `kernel`
+        self._drafter_kernel = drafter_kernel(drafter, drafter_attention, self.attention, self.attention_settings)
+        self.drafter_attention = "sdpa" if self._drafter_kernel is None else "triton"
         if tree_topk not in ("ranked", "torch"):
             raise ValueError(f"tree_topk={tree_topk!r}: 'ranked' or 'torch'.")
         self.tree_topk = tree_topk

@@ -147,31 +147,6 @@ def static_tree(spec: TreeSpec, b: int, device) -> dict:
     return {name: v.expand(b, *v.shape) for name, v in t.items()}
 
 
-def ranked_topk(x: torch.Tensor, r: int, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x.topk(r, -1)`: the r largest entries of the last dim, largest first, as (values, indices); equal values in
-    index order (which of several equal entries at the r-th place is returned is topk's choice, as with topk). For the
-    drafter's top-R tokens over the vocabulary, `[b, D, V]` -> `[b, D, R]`.
-
-    Why not `torch.topk`: over a 49152-token vocabulary with few rows CUDA's topk takes its multi-block radix path,
-    about 13 launches (four digit passes of three kernels, a gather) and a sort for the order, ~0.05 ms of a 1.58 ms
-    tree round on the H200 (`examples/profile_engine.py`, `h200-2026-12-03d`). Here each chunk of `chunk` entries
-    gives its own top r (one single-block topk launch for all chunks: the true top r lie among them), and the
-    candidates are put in order by counting, for each, the candidates that beat it (larger, or equal with a lower
-    index): a comparison reduction inductor fuses, no sort. Chunk 0, or a last dim of at most two chunks: one chunk."""
-    n = x.shape[-1]
-    if chunk <= 0 or n <= 2 * chunk or r > chunk:
-        chunk = n  # one chunk: topk, then the same ordering
-    pad = -n % chunk
-    if pad:  # -inf never outranks a real entry, and ties among the pads go by index, after every real one
-        x = torch.nn.functional.pad(x, (0, pad), value=-float("inf"))
-    vals, ids = x.unflatten(-1, (-1, chunk)).topk(r, -1, sorted=False)  # [..., C, r] each
-    ids = ids + torch.arange(0, x.shape[-1], chunk, device=x.device)[:, None]  # chunk-local -> global indices
-    vals, ids = vals.flatten(-2), ids.flatten(-2)  # [..., C * r] candidates
-    order = _places(vals, ids)  # [..., C * r]: 0 for the largest
-    slot = (order[..., None, :] == torch.arange(r, device=x.device)[:, None]).long().argmax(-1)  # [..., r]
-    return vals.gather(-1, slot), ids.gather(-1, slot)
-
-
 def _places(vals: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """`[..., n]` -> each entry's place in descending order of `vals` (ties: lower `ids` first), 0 for the first:
     the number of entries that beat it. A strict order, so the places are 0..n-1 (NaN aside)."""
@@ -181,12 +156,14 @@ def _places(vals: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def best_ids(score: torch.Tensor, n: int, ranked: bool = True) -> torch.Tensor:
-    """`[b, M]` scores -> `[b, n]`: the indices of the n highest, in ascending index order; ties go to the lower index.
+    """`[b, M]` scores -> `[b, n]`: the indices of the n highest, in ascending index order (ranked: ties go to the
+    lower index).
 
-    ranked=False: `score.topk(n).indices.sort()` (two launches that took ~15 us of a tree round on the H200,
-    `h200-2026-12-03d`). ranked=True: a node is kept when fewer than n nodes beat it (`_places`), and the kept ones
-    land at their place among the kept in index order (a cumulative sum): comparison, scan and scatter kernels
-    that inductor generates."""
+    ranked=False: `score.topk(n).indices.sort()`, a topk and a sort launch (10.9 and ~4.5 us in a profile of a 31-node
+    tree round on the H200, `h200-2026-12-03d`). ranked=True: a node is kept when fewer than n nodes beat it
+    (`_places`), and the kept ones land at their place among the kept in index order (a cumulative sum): comparison,
+    scan and scatter kernels that inductor generates; the comparison took 5.4 us in `h200-2026-12-03e`'s profile. The
+    round was not timed with this change alone (only together with a chunked draft topk, since dropped)."""
     if not ranked:
         return score.topk(n, dim=1).indices.sort(1).values
     b, m = score.shape
@@ -199,7 +176,7 @@ def best_ids(score: torch.Tensor, n: int, ranked: bool = True) -> torch.Tensor:
 
 
 def select_tree(spec: TreeSpec, logprobs: torch.Tensor, nodes: int, keep_chain=None, lookup_pos=None,
-                chain_lp=None, ranked: bool = True) -> dict:
+                chain_lp=None, ranked: bool = False) -> dict:
     """Per-row trees of `nodes` nodes chosen from the superset `spec` by the drafter's own probabilities.
 
     logprobs `[b, D, R]`: log-probabilities of the drafter's top-R tokens at depths 1..D. A node's score is its path's

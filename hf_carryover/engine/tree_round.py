@@ -12,8 +12,8 @@ import torch
 
 from .sampling import inverse_cdf
 from .state import DecodeState
-from .tree import (TreeSpec, accept_tree, lookup_chain_lp, lookup_ranks, node_ranks, node_tokens, ranked_topk,
-                   select_tree, static_tree, tree_mask, unique_children)
+from .tree import (TreeSpec, accept_tree, lookup_chain_lp, lookup_ranks, node_ranks, node_tokens, select_tree,
+                   static_tree, tree_mask, unique_children)
 
 
 class TreeRounds:
@@ -45,9 +45,7 @@ class TreeRounds:
         on = self.drafter.config.carryover
         logits_d = self._draft_logits(st.dcache, st.anchor, st.anchor_pos, st.carry if on else None, st.carry_pos,
                                       st.carry_valid if on else st.carry_valid[:, :0])
-        lp_all = logits_d[:, : tree.max_depth].log_softmax(-1)  # [b, D, V]
-        ranked = self.tree_topk == "ranked"
-        lp, top = ranked_topk(lp_all, tree.max_rank) if ranked else lp_all.topk(tree.max_rank, -1)  # [b, D, R] each
+        lp, top = logits_d[:, : tree.max_depth].log_softmax(-1).topk(tree.max_rank, -1)  # [b, D, R] each
         hit = lpos = None
         if lookup:
             look, n_look = st.look.clone(), st.n_look.clone()  # [b, k], [b]
@@ -62,7 +60,7 @@ class TreeRounds:
         elif lookup and nodes is not None:
             chain_lp = lookup_chain_lp(lp, top, look, n_look, self.lookup_confidence)  # [b, D]
         t = static_tree(tree, b, st.anchor.device) if nodes is None else select_tree(
-            tree, lp, nodes, keep_chain=keep, lookup_pos=lpos, chain_lp=chain_lp, ranked=ranked)
+            tree, lp, nodes, keep_chain=keep, lookup_pos=lpos, chain_lp=chain_lp, ranked=self.tree_topk == "ranked")
         depth = t["depth"]  # [b, N+1]
         n = depth.shape[1]
         tokens = node_tokens(top, t, node_ranks(t, lpos))  # [b, N]; a looked-up token's siblings skip it
