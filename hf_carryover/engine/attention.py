@@ -99,7 +99,8 @@ class DrafterKernel:
         st = self.settings
         if mask.dim() != 4 or check_inputs(q, k_pieces[0], v_pieces[0], mask, st["mode"], st["block_n"]) is not None:
             return None
-        first = k_pieces[0].shape[2] if len(k_pieces) > 1 else 0  # the first piece (the static cache) goes last
+        # the first piece (the engine's static cache) goes last; any order of keys gives the same attention
+        first = k_pieces[0].shape[2] if len(k_pieces) > 1 else 0
         k = torch.cat(k_pieces[1:] + k_pieces[:1], 2)  # [b, kv_heads, keys, head_dim]
         v = torch.cat(v_pieces[1:] + v_pieces[:1], 2)
         mask = torch.cat([mask[..., first:], mask[..., :first]], -1)  # [b|1, 1, q|1, keys], rotated as the keys

@@ -111,9 +111,10 @@ def _flex_attention():
 class DrafterAttention(nn.Module):
     """Qwen3-style attention whose keys/values are `[external K/V pieces | own block K/V]` (KV injection).
 
-    `kernel`: None (SDPA), or a function `(q, k_pieces, v_pieces, mask, key_bias) -> [b, q, heads, head_dim]` or None
-    that a decoding engine sets for its calls (`hf_carryover.engine.attention.DrafterKernel`: a kernel that reads only
-    the keys in use of a static cache); it gets the grouped K/V pieces in order, block last, and a boolean mask."""
+    `kernel`: None (SDPA), or a function `(q, k_pieces, v_pieces, mask, key_bias)` that a decoding engine sets for its
+    calls (`hf_carryover.engine.attention.DrafterKernel`: a kernel that reads only the keys in use of a static cache).
+    It gets the grouped K/V pieces in order, block last, and the boolean mask, and returns `[b, q, heads, head_dim]`,
+    or None where it does not take the inputs (SDPA then)."""
 
     kernel = None
 
