@@ -97,7 +97,7 @@ class DrafterKernel:
 
     def __call__(self, q, k_pieces, v_pieces, mask, key_bias):
         st = self.settings
-        if mask.dim() != 4 or check_inputs(q, k_pieces[0], v_pieces[0], mask, st["mode"], st["block_n"]) is not None:
+        if check_inputs(q, k_pieces[0], v_pieces[0], mask, st["mode"], st["block_n"]) is not None:
             return None
         # the first piece (the engine's static cache) goes last; any order of keys gives the same attention
         first = k_pieces[0].shape[2] if len(k_pieces) > 1 else 0
@@ -131,9 +131,13 @@ def drafter_kernel(drafter, how: str, attention: str, settings: dict) -> Drafter
 
 @contextmanager
 def use_drafter_kernel(drafter, kernel):
-    """Run the body with every attention layer of `drafter` on `kernel` (a `DrafterKernel`, or None: SDPA), then put
-    back what they had, also after an error."""
-    layers = [m for m in drafter.modules() if hasattr(m, "kernel")] if drafter is not None else []
+    """Run the body with every attention layer of `drafter` on `kernel` (a `DrafterKernel`), then put back what they
+    had, also after an error. None (SDPA, the default) leaves the layers alone: an engine that sets a kernel restores
+    them after its call, so outside one they are on SDPA, and a call pays no scan of the drafter's modules."""
+    if kernel is None or drafter is None:
+        yield
+        return
+    layers = [m for m in drafter.modules() if hasattr(m, "kernel")]
     before = [m.__dict__.get("kernel") for m in layers]
     for m in layers:
         m.kernel = kernel
