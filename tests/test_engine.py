@@ -591,27 +591,3 @@ def test_compiled_round_equals_eager(typ, backend):
     breaks = counters["graph_break"]
     assert breaks and all("running_mass" in reason for reason in breaks), dict(breaks)
     assert sampled != ref  # the sampled run is not the greedy one in disguise
-
-
-@pytest.mark.parametrize("do_sample", [False, True])
-def test_position_major_cache_gives_the_same_tokens_and_rounds(do_sample):
-    """kv_layout="bshd" only moves the target cache's memory (positions outermost, a row's heads in one run): every
-    mode must decode the same tokens, rounds and lookups as "bhsd", sampled draws included, continuous batching's
-    refills (the row prefill's staging cache) too; and the buffer must really lie position-major."""
-    target = build_target("llama", seed=5)
-    drafter = build_drafter(target, "dflash", True)
-    prompts = _prompts(3, (4, 11, 2))
-    kw = dict(max_new_tokens=27, do_sample=do_sample, temperature=0.8, seed=3, eos_token_id=list(range(3, 99, 8)))
-    for d, extra in [(None, {}), (drafter, {}), (drafter, {"prompt_lookup_num_tokens": 3, "tree": TREE}),
-                     (drafter, {"batch_size": 2, "prompt_lookup_num_tokens": 3})]:
-        heads_first = SpeculativeEngine(target, d, max_len=96)
-        ref = heads_first.generate(prompts, **kw, **extra)
-        engine = SpeculativeEngine(target, d, max_len=96, kv_layout="bshd")
-        assert engine.generate(prompts, **kw, **extra) == ref
-        assert engine.rounds == heads_first.rounds and engine.lookup_rounds == heads_first.lookup_rounds
-    k = engine._caches[2][0].k[0]  # [b, kv_heads, max_len, head_dim], position-major underneath
-    assert k.shape[1:3] == (target.config.num_key_value_heads, engine.max_len)
-    assert k.stride(2) == k.shape[1] * k.shape[3] and k.stride(1) == k.shape[3]
-    assert heads_first._caches[2][0].k[0].is_contiguous()
-    with pytest.raises(ValueError, match="kv_layout='bsdh'"):
-        SpeculativeEngine(target, drafter, kv_layout="bsdh")

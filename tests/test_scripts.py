@@ -858,7 +858,7 @@ def test_evaluate_tau_refuses_engine_keys_without_engine(tmp_path):
     r = subprocess.run([sys.executable, script, "--drafters", "x=nowhere,lookup=4,lookup_siblings=false",
                         "--out", str(tmp_path)], capture_output=True, text=True)
     assert r.returncode != 0 and "]: lookup_siblings (of lookup_siblings/" in r.stderr, r.stderr
-    assert "kv_layout) are SpeculativeEngine arguments: they need --engine" in r.stderr
+    assert "drafter_attention) are SpeculativeEngine arguments: they need --engine" in r.stderr
 
 
 def test_evaluate_tau_specs_and_held_out_prompts(tmp_path):

@@ -49,7 +49,7 @@ from .linear_round import LinearRounds
 from .refill import RowPrefill
 from .sampling import inverse_cdf, point_mass, running_mass
 from .state import DecodeState
-from .static_cache import KV_LAYOUTS, DrafterStaticCache, TargetStaticCache
+from .static_cache import DrafterStaticCache, TargetStaticCache
 from .timing import PhaseClock, predicted_speedup
 from .tree import check_tree
 from .tree_round import TreeRounds
@@ -109,8 +109,7 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
                  lookup_siblings: bool = True, lookup_confidence: float | None = None, lookup_min_ngram: int = 3,
                  attention: str = "auto", attention_mode: str = "scan", attention_block_n: int = 128,
                  attention_warps: int = 4, attention_split_n: int = 256, attention_min_rows: int | None = None,
-                 run_ahead: bool = True, tree_topk: str = "torch", drafter_attention: str = "sdpa",
-                 kv_layout: str = "bhsd"):
+                 run_ahead: bool = True, tree_topk: str = "torch", drafter_attention: str = "sdpa"):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -200,10 +199,7 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         cache. Not faster on the H200: 2009.5 against 2024.2 tok/s (HumanEval, tree 31 + lookup, `h200-2026-12-03e`).
 
         tree_topk="ranked": dynamic trees pick their nodes without topk and sort launches (`tree.best_ids`); "torch"
-        (the default): with them. The same nodes but for ties.
-
-        kv_layout: the target cache's memory layout, "bhsd" (heads outermost, as transformers') or "bshd" (positions
-        outermost, so a new row's heads are written as one run; `static_cache.TargetStaticCache`). The same tokens."""
+        (the default): with them. The same nodes but for ties."""
         if attention not in ("auto", "sdpa", "triton"):
             raise ValueError(f"attention={attention!r}: 'auto', 'sdpa' or 'triton'.")
         if attention_min_rows is not None and int(attention_min_rows) < 1:
@@ -240,9 +236,6 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         if tree_topk not in ("ranked", "torch"):
             raise ValueError(f"tree_topk={tree_topk!r}: 'ranked' or 'torch'.")
         self.tree_topk = tree_topk
-        if kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout={kv_layout!r}: one of {KV_LAYOUTS}.")
-        self.kv_layout = kv_layout
         self.last_launched = 0
         # diagnostics (`trainer/gpu_replay_diff.py`): called with the DecodeState after every round, eager or
         # replayed; None (the default) costs nothing
@@ -318,8 +311,7 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
             tc = self.target.config.get_text_config()
             hd = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
             kvh = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
-            cache = TargetStaticCache(tc.num_hidden_layers, b, kvh, self.max_len, hd, dtype, dev, self._steps,
-                                      self.kv_layout)
+            cache = TargetStaticCache(tc.num_hidden_layers, b, kvh, self.max_len, hd, dtype, dev, self._steps)
             dcache = None
             if self.drafter is not None:
                 d, dcfg = self.drafter, self.drafter.config

@@ -44,7 +44,7 @@ class RowPrefill:
         big = st.cache.k[0]  # [b, kv_heads, max_len, head_dim]
         self.engine, self.st, self.use_graphs = engine, st, use_graphs
         self.cache = TargetStaticCache(tc.num_hidden_layers, 1, big.shape[1], big.shape[2], big.shape[3], big.dtype,
-                                       dev, engine._steps, st.cache.layout)
+                                       dev, engine._steps)
         self.dcache = None
         if st.dcache is not None:
             dk = st.dcache.keys[0]

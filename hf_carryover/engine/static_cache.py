@@ -19,40 +19,25 @@ import torch
 from ..modeling_drafter import DrafterStaticCache  # noqa: F401  (re-exported: it is remote code, for generate() too)
 
 
-KV_LAYOUTS = ("bhsd", "bshd")
-
-
 class TargetStaticCache:
     """Duck-typed transformers cache: each attention layer calls `update(k, v, layer_idx)`; we scatter the new rows
     at `self.positions` `[b, n]` and hand back the whole buffer `[b, kv_heads, max_len, head_dim]`. The 4D mask
     passed with it makes the model attend only to written, causal positions.
 
-    layout: how the buffer lies in memory; every user sees the same `[b, kv_heads, max_len, head_dim]` tensor.
-    "bhsd": contiguous in that order (each head's positions together), as transformers' caches. "bshd": position
-    major, `[b, max_len, kv_heads, head_dim]` in memory, handed out as its transposed view. Why: the new rows come
-    from the k/v projection as `[b, n, kv_heads, head_dim]`, so in "bshd" a row's heads land in one contiguous run of
-    the cache, where "bhsd" scatters them `max_len * head_dim` apart; on the H200 inductor fused the key RoPE with that
-    scatter into a kernel tiled in two dimensions that took 4.3 us a layer at 32 query rows
-    (`examples/results/h200-2026-12-03e`). Attention reads K/V through strides either way (SDPA, the Triton kernel)."""
+    The buffer is heads-major, as transformers' caches. A position-major buffer (`[b, max_len, kv_heads, head_dim]`
+    handed out as its transposed view, so a new row's heads land in one run) was tried for the 4.3 us key RoPE +
+    scatter kernel of a tree round and changed nothing on the H200: 1.775 ms a round either way on HumanEval, with the
+    same tokens (`examples/results/h200-2026-12-04`)."""
 
     is_compileable = False
 
-    def __init__(self, num_layers, batch, kv_heads, max_len, head_dim, dtype, device, key_positions=None,
-                 layout: str = "bhsd"):
-        if layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout={layout!r}: one of {KV_LAYOUTS}.")
-        self.layout = layout
+    def __init__(self, num_layers, batch, kv_heads, max_len, head_dim, dtype, device, key_positions=None):
         self.is_sliding = [False] * num_layers  # read by transformers' mask helpers (5.17: one flag per layer)
         # one tensor per layer: views of one shared buffer would let a tree round move rows with one gather, but every
         # in-place write to a view of a shared base is something a compiled round must track across all layers
-        def buffer():
-            if layout == "bhsd":
-                return torch.zeros(batch, kv_heads, max_len, head_dim, dtype=dtype, device=device)
-            # [b, max_len, kv_heads, head_dim] in memory -> [b, kv_heads, max_len, head_dim] view
-            return torch.zeros(batch, max_len, kv_heads, head_dim, dtype=dtype, device=device).transpose(1, 2)
-
-        self.k = [buffer() for _ in range(num_layers)]
-        self.v = [buffer() for _ in range(num_layers)]
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.positions: torch.Tensor | None = None
         self.max_len = max_len
         # key positions `arange(max_len)`, made once (no per-round arange); the engine passes its own `_steps`
@@ -87,4 +72,4 @@ class TargetStaticCache:
         return self._keys[None, None, None, :] <= positions[:, None, :, None]
 
 
-__all__ = ["KV_LAYOUTS", "TargetStaticCache", "DrafterStaticCache"]
+__all__ = ["TargetStaticCache", "DrafterStaticCache"]
