@@ -1,5 +1,6 @@
 """Fast engine (eager reference, CPU): exact greedy output, the same rounds as generate(), lossless sampling."""
 
+import copy
 import re
 import warnings
 from unittest.mock import patch
@@ -63,16 +64,28 @@ def test_eos_mid_block_per_row(typ):
     assert engine.generate(prompts, max_new_tokens=30, eos_token_id=eos) == refs
 
 
+_TRAINED = {}  # (typ, carryover, steps) -> (the setup as trained, the global RNG state it left)
+
+
 def _trained_setup(typ, carryover, steps):
-    """A drafter overfit on the target's own greedy continuations of 4 prompts (so it is often right)."""
-    target = build_target("llama", seed=5)
-    drafter = build_drafter(target, typ, carryover)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1, 90, (3 + n,), generator=g).tolist() for n in range(4)]
-    max_new = 40
-    refs = _greedy_refs(target, prompts, max_new)
-    overfit(drafter, target, [(len(p), p + r, max_new) for p, r in zip(prompts, refs)], steps=steps)
-    return target, drafter, prompts, max_new, refs
+    """A drafter overfit on the target's own greedy continuations of 4 prompts (so it is often right).
+
+    Training is deterministic (seeded models, seeded anchor draws), and it is most of a test's time, so each
+    (typ, carryover, steps) is trained once per session; every call gets its own deep copy of the trained objects
+    (tests mutate them) and the global RNG state that training left, i.e. exactly what a fresh run returns."""
+    key = (typ, carryover, steps)
+    if key not in _TRAINED:
+        target = build_target("llama", seed=5)
+        drafter = build_drafter(target, typ, carryover)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(1, 90, (3 + n,), generator=g).tolist() for n in range(4)]
+        max_new = 40
+        refs = _greedy_refs(target, prompts, max_new)
+        overfit(drafter, target, [(len(p), p + r, max_new) for p, r in zip(prompts, refs)], steps=steps)
+        _TRAINED[key] = ((target, drafter, prompts, max_new, refs), torch.get_rng_state())
+    setup, rng = _TRAINED[key]
+    torch.set_rng_state(rng)
+    return copy.deepcopy(setup)  # one memo: the copied drafter keeps pointing at the copied target's parts
 
 
 @pytest.mark.parametrize("typ", ["dflash", "markov"])
@@ -526,10 +539,11 @@ def test_frozen_compiled_round_merges_projections_and_equals_eager():
     "cpp.enable_concat_linear" on CPU; inductor's check asks for it on CPU only, not run on CUDA here). Tokens and
     rounds stay the eager engine's in fp32. The generated code is read back (`run_and_get_code`), with inductor's
     graph cache off so that a cached compile cannot hide it. With the weights left unpacked, as on CUDA, the engine's
-    `FuseSharedInputMatmuls` pass does the merge (`fuse_projections.py`)."""
+    `FuseSharedInputMatmuls` pass does the merge (`fuse_projections.py`). Two-layer targets: the merge is per layer
+    (the counts below scale with the depth), and each of the two uncached inductor compiles costs ~40 % less."""
     from torch._inductor.utils import run_and_get_code
 
-    target = build_target("llama", seed=5)
+    target = build_target("llama", seed=5, num_layers=2)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 90, (n,), generator=g).tolist() for n in (4, 9)]
     eager = SpeculativeEngine(target, None, max_len=96)
@@ -546,7 +560,7 @@ def test_frozen_compiled_round_merges_projections_and_equals_eager():
     # own pattern merges nothing, so the merges are the engine's pass's (`fuse_projections.py`): q with the narrower
     # grouped-query k/v, and gate/up. A second target of the same shape: a frozen round must not serve it (dynamo
     # reused the first engine's compiled round, weights and all, before engines with options had backends of their own)
-    other = build_target("llama", seed=6).double()
+    other = build_target("llama", seed=6, num_layers=2).double()
     ref64 = SpeculativeEngine(other, None, max_len=96).generate(prompts, max_new_tokens=20)
     cuda_like = SpeculativeEngine(other, None, max_len=96, compile=True, compile_options={
         "freezing": True, "fx_graph_cache": False})

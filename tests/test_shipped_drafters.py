@@ -20,21 +20,33 @@ def test_dflash_pair_ships():
     assert {"smollm2-135m-instruct-dflash", "smollm2-135m-instruct-dflash-carryover"} <= names, names
 
 
+@pytest.fixture(scope="module")
+def remote_loads(tmp_path_factory):
+    """A process that never imports hf_carryover loads every folder with weights through AutoModel (remote code), in
+    bf16, checking after each load; one process for all folders (a start with torch and transformers is most of it).
+    Returns the finished process; its stdout has a line `FOLDER drafter_type carryover target_layers` per folder."""
+    folders = [str(f) for f in FOLDERS if (f / "model.safetensors").exists()]
+    code = ("from transformers import AutoModel; import torch, sys\n"
+            f"for folder in {folders!r}:\n"
+            "    m = AutoModel.from_pretrained(folder, trust_remote_code=True)\n"
+            "    assert 'hf_carryover' not in sys.modules, 'loaded the installed package, not the folder code'\n"
+            "    assert {p.dtype for p in m.parameters()} == {torch.bfloat16}\n"
+            "    print(folder, m.config.drafter_type, m.config.carryover, "
+            "m.config.target_fingerprint['num_hidden_layers'])\n")
+    env = {**os.environ, "PYTHONPATH": ""}  # the package must not be importable from the repo root either
+    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path_factory.mktemp("remote"), env=env,
+                          capture_output=True, text=True)
+
+
 @pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.name)
-def test_loads_with_remote_code_only(folder, tmp_path):
+def test_loads_with_remote_code_only(folder, remote_loads):
     """A process that never imports hf_carryover loads the folder through AutoModel (remote code), in bf16."""
     if not (folder / "model.safetensors").exists():
         pytest.skip("weights not in this working tree (sparse checkout: trainer/device_tree.sh light)")
     assert (folder / "model.safetensors").stat().st_size <= 100e6
-    code = (f"from transformers import AutoModel; import torch, sys\n"
-            f"m = AutoModel.from_pretrained({str(folder)!r}, trust_remote_code=True)\n"
-            f"assert 'hf_carryover' not in sys.modules, 'loaded the installed package, not the folder code'\n"
-            f"assert {{p.dtype for p in m.parameters()}} == {{torch.bfloat16}}\n"
-            f"print(m.config.drafter_type, m.config.carryover, m.config.target_fingerprint['num_hidden_layers'])")
-    env = {**os.environ, "PYTHONPATH": ""}  # the package must not be importable from the repo root either
-    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
-    typ, carry, layers = res.stdout.split()[-3:]
+    assert remote_loads.returncode == 0, remote_loads.stderr[-2000:]
+    (line,) = [x for x in remote_loads.stdout.splitlines() if x.startswith(f"{folder} ")]
+    typ, carry, layers = line.split()[-3:]
     assert typ in folder.name and (carry == "True") == folder.name.endswith("-carryover") and layers == "30"
 
 

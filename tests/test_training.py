@@ -455,12 +455,10 @@ def test_one_process_seeing_several_gpus_is_refused(tmp_path, monkeypatch):
         CarryoverTrainer(model=drafter, args=args, target=target)
 
 
-def test_sampled_response_sets(tmp_path):
+def test_sampled_response_sets(tmp_path, monkeypatch):
     """T=1 regeneration: a seed reproduces its set, another seed gives another set, and tokens come from the whole
     distribution (top-k off: transformers' default top_k=50 would never pick a token ranked 50 or lower); the
     script's --start skips prompts a greedy set already covers."""
-    import os
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -486,11 +484,15 @@ def test_sampled_response_sets(tmp_path):
     target.save_pretrained(tmp_path / "target")
     pfile = tmp_path / "prompts.jsonl"
     pfile.write_text("".join(json.dumps({"id": pid, "input_ids": ids}) + "\n" for pid, ids in prompts))
-    root = Path(__file__).resolve().parents[1]
-    subprocess.run([sys.executable, str(root / "trainer" / "regenerate.py"), "--target", str(tmp_path / "target"),
-                    "--prompts", str(pfile), "--out", str(tmp_path / "late"), "--start", "5", "--dtype", "float32",
-                    "--max_new_tokens", "4", "--temperature", "1", "--seed", "3"], check=True, capture_output=True,
-                   env={**os.environ, "PYTHONPATH": str(root)})
+    # the script's command line, run in this process as test_regenerate_with_vllm_plumbing runs it (a new process
+    # would spend ~6 s importing torch and transformers)
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "trainer"))
+    import regenerate
+
+    monkeypatch.setattr(sys, "argv", ["regenerate.py", "--target", str(tmp_path / "target"), "--prompts", str(pfile),
+                                      "--out", str(tmp_path / "late"), "--start", "5", "--dtype", "float32",
+                                      "--max_new_tokens", "4", "--temperature", "1", "--seed", "3"])
+    regenerate.main()
     assert [r["id"] for r in ResponseDataset(tmp_path / "late").records] == ["p5", "p6", "p7"]
 
 
