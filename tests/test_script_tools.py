@@ -419,3 +419,24 @@ def test_pass_determinism_flags_rows_whose_passes_decoded_different_tokens(tmp_p
     summary = pass_determinism.main([str(raw)])
     assert summary == {"engine_ar": (1, 1), "engine_tree_lookup31": (2, 0)}
     assert "tokens per pass [100, 97]" in capsys.readouterr().out
+
+
+def test_compare_trees_counts_shared_nodes_and_bounds_the_other_tree(tmp_path, capsys):
+    """examples/compare_trees.py: the other tree's expected tokens a round come from the calibrated counts, a path
+    the calibrated superset lacks counts as never accepted (and is reported), shared nodes are per tree size."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from compare_trees import compare, main
+
+    calibrated = {"paths": [[0], [0, 0], [1], [0, 1]], "counts": [60, 30, 20, 10], "anchors": 100}
+    other = {"paths": [[0], [1], [2], [1, 0]], "counts": [9, 8, 7, 6], "anchors": 50}
+    rows = compare(calibrated, other, sizes=(1, 2, 3, 4, 5))
+    assert set(rows) == {1, 2, 3, 4}  # 5 is beyond both trees
+    assert rows[2] == {"shared": 1, "calibrated": 1.9, "other_lower_bound": 1.8, "other_without_count": 0}
+    assert rows[4]["shared"] == 2 and rows[4]["other_without_count"] == 2 and rows[4]["other_lower_bound"] == 1.8
+    assert rows[4]["calibrated"] == pytest.approx(2.2)
+    (tmp_path / "a.json").write_text(json.dumps(calibrated))
+    (tmp_path / "b.json").write_text(json.dumps(other))
+    main(["--calibrated", str(tmp_path / "a.json"), "--other", str(tmp_path / "b.json"), "--sizes", "3", "4",
+          "--out", str(tmp_path / "c.json")])
+    assert "| 3 | 2 | 2.1000 | 1.8000 | 1 |" in capsys.readouterr().out
+    assert json.loads((tmp_path / "c.json").read_text())["rows"]["4"]["shared"] == 2

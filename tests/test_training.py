@@ -68,7 +68,7 @@ def loop_drafter_mask(anchors, ctx_valid, B, carry_valid=None, k=0, carry_offset
 @pytest.mark.parametrize("with_carry", [False, True])
 def test_drafter_mask_matches_loop_reference(with_carry):
     torch.manual_seed(0)
-    b, L, N, B, k = 2, 11, 3, 4, 3
+    b, L, B, k = 2, 11, 4, 3  # 3 anchors a row (below)
     anchors = torch.tensor([[2, 5, 9], [1, 3, 4]])
     ctx_valid = torch.ones(b, L, dtype=torch.bool)
     ctx_valid[1, 8:] = False  # padding
@@ -108,7 +108,8 @@ def _recorded_batch(target, n=6, new=40, seed=0):
         out = target.generate(p[None], max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
         seqs.append(out[0].tolist())
         plens.append(len(p))
-    return ResponseCollator(0)([{"id": i, "prompt_len": pl, "input_ids": s} for i, (pl, s) in enumerate(zip(plens, seqs))])
+    return ResponseCollator(0)([{"id": i, "prompt_len": pl, "input_ids": s}
+                                for i, (pl, s) in enumerate(zip(plens, seqs))])
 
 
 @pytest.mark.parametrize("typ,chain,gate", [("dflash", 1, None), ("markov", 1, None), ("dflash", 2, None),
@@ -152,7 +153,8 @@ def full_block_loss(logits, labels, ok, weights, target_logits=None, l1_weight=0
         acc = hit.float().sum((0, 1)) / ok.float().sum((0, 1)).clamp(min=1)
         run = torch.cumprod(hit.long(), dim=-1).sum(-1).float()
         mean_run = run[ok[..., 0]].mean() if ok[..., 0].any() else torch.tensor(0.0)
-    return loss, {"ce": float((ce.detach() * w).sum() / denom), "acc_per_pos": acc.tolist(), "accept_run": float(mean_run)}
+    return loss, {"ce": float((ce.detach() * w).sum() / denom), "acc_per_pos": acc.tolist(),
+                  "accept_run": float(mean_run)}
 
 
 @pytest.mark.parametrize("typ", ["dflash", "markov"])
@@ -351,7 +353,8 @@ def test_trainer_runs_and_resumes(tmp_path, monkeypatch):
     cont = main(common + ["--output_dir", str(tmp_path / "s1c"), "--max_steps", "1",
                           "--init_from", str(tmp_path / "s1_bf16")])
     assert {p.dtype for p in cont.model.parameters()} == {torch.float32}
-    trainer = main(common + ["--output_dir", str(tmp_path / "s1"), "--max_steps", "4", "--resume_from_checkpoint", "auto"])
+    trainer = main(common + ["--output_dir", str(tmp_path / "s1"), "--max_steps", "4",
+                             "--resume_from_checkpoint", "auto"])
     assert trainer.state.global_step == 4
     with pytest.raises(ValueError, match="carryover=True"):
         main(common + ["--output_dir", str(tmp_path / "bad"), "--max_steps", "1", "--stage", "2"])
@@ -451,7 +454,8 @@ def test_one_process_seeing_several_gpus_is_refused(tmp_path, monkeypatch):
     args = CarryoverTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     CarryoverTrainer(model=drafter, args=args, target=target)  # one device: fine
     monkeypatch.setattr(CarryoverTrainingArguments, "n_gpu", property(lambda self: 2))
-    with pytest.raises(ValueError, match="sees 2 GPUs.*DataParallel.*--num_processes 2 --multi_gpu.*CUDA_VISIBLE_DEVICES"):
+    with pytest.raises(ValueError,
+                       match="sees 2 GPUs.*DataParallel.*--num_processes 2 --multi_gpu.*CUDA_VISIBLE_DEVICES"):
         CarryoverTrainer(model=drafter, args=args, target=target)
 
 
@@ -583,3 +587,26 @@ def test_regenerate_with_vllm_plumbing(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         regenerate.main()
     assert "needs --engine vllm" in capsys.readouterr().err
+
+
+def test_regeneration_reports_progress_per_batch_and_counts_resumed_shards(tmp_path, monkeypatch):
+    """A shard can take many minutes on a CPU: progress moves per generated batch, and a resumed run counts the
+    shards already on disk as done instead of generating them again."""
+    from hf_carryover.training import data as data_mod
+
+    seen = []
+    monkeypatch.setattr(data_mod._Progress, "update", lambda self, n: seen.append(n))
+    calls = []
+
+    def respond(prompts, seed):  # a stand-in source of responses: each prompt's last token, then EOS (id 2)
+        calls.append(len(prompts))
+        return [[p[-1], 2] for p in prompts]
+
+    prompts = [(f"p{i}", [5 + i, 7]) for i in range(10)]
+    kw = dict(batch_size=3, shard_size=6, respond=respond, eos_token_id=2)
+    regenerate_responses(None, prompts[:6], tmp_path / "d", **kw)  # the first shard only, as a run cut after it
+    assert seen == [3, 3] and calls == [3, 3]
+    seen.clear(), calls.clear()
+    regenerate_responses(None, prompts, tmp_path / "d", **kw)
+    assert seen == [6, 3, 1] and calls == [3, 1]  # shard 0 from disk, shard 1 in batches of 3 and 1
+    assert len(ResponseDataset(tmp_path / "d").records) == 10

@@ -17,13 +17,29 @@ import torch
 from torch.utils.data import Dataset
 
 
-def _progress(iterable, total, desc):
-    try:
-        from tqdm.auto import tqdm
+class _Progress:
+    """Prompts done out of `total`, advanced per generated batch (a shard of 512 prompts can take many minutes on a
+    CPU, so counting shards alone would show nothing for that long): tqdm where installed, else a line per update."""
 
-        return tqdm(iterable, total=total, desc=desc)
-    except ImportError:  # tqdm is an optional extra; fall back to plain lines
-        return iterable
+    def __init__(self, total, desc):
+        try:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc=desc)
+        except ImportError:  # tqdm is an optional extra
+            self.bar = None
+        self.done, self.total, self.desc = 0, total, desc
+
+    def update(self, n):
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+        else:
+            print(f"{self.desc}: {self.done}/{self.total}", flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
 
 
 def transformers_respond(target, pad_token_id, max_new_tokens=256, temperature=0.0):
@@ -71,10 +87,12 @@ def regenerate_responses(target, prompts, out_dir, *, max_new_tokens=256, batch_
         respond = transformers_respond(target, pad, max_new_tokens, temperature)
     shards = [prompts[i : i + shard_size] for i in range(0, len(prompts), shard_size)]
     paths = []
-    for s, shard in enumerate(_progress(shards, len(shards), "shards")):
+    progress = _Progress(len(prompts), "prompts")
+    for s, shard in enumerate(shards):
         path = out / f"shard-{s:05d}.jsonl"
         paths.append(path)
         if path.exists():
+            progress.update(len(shard))  # done by an earlier run
             continue
         records = []
         for i in range(0, len(shard), batch_size):
@@ -85,9 +103,11 @@ def regenerate_responses(target, prompts, out_dir, *, max_new_tokens=256, batch_
                         resp = resp[: n + 1]
                         break
                 records.append({"id": pid, "prompt_len": len(p), "input_ids": list(p) + list(resp)})
+            progress.update(len(chunk))
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
         os.replace(tmp, path)
+    progress.close()
     return paths
 
 
