@@ -42,3 +42,16 @@ def test_join_gguf_stops_on_a_missing_or_wrong_half(tmp_path, case):
         assert rc != 0 and not exists and "joined" not in out
         assert ("needs" in out) if case == "missing_half" else ("md5 mismatch" in out)
     assert not (tmp_path / "assets" / "smollm2.gguf.part").exists()
+
+
+def test_call_box_cuts_a_job_to_the_time_left_in_the_device_call(tmp_path):
+    """A job's time box never outlasts the device call: with 500 s of a 600 s call gone, a 570 s box becomes 85 s
+    (15 s kept for the flush), a 60 s box stays, and a box past the end still gets a positive time."""
+    body = re.search(r"^call_box\(\) \{.*?^\}", SCRIPT.read_text(), re.S | re.M).group(0)
+    harness = "\n".join(["set -euo pipefail", 'log() { echo "[log] $*"; }', body,
+                         "SECONDS=500; echo $(call_box 570) $(call_box 60)", "SECONDS=599; echo $(call_box 30)",
+                         "CALL_SECONDS=900; SECONDS=500; echo $(call_box 300)"])
+    r = subprocess.run(["bash", "-c", harness], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:3] == ["85 60", "1", "300"], r.stdout
+    assert "time box 570 s cut to 85 s" in r.stderr  # the log line goes to stderr, not into the box

@@ -117,6 +117,16 @@ trap flush EXIT
 serve_target() {  # the bf16 serving folder of the converted target, ~/assets/serve/target, made once per machine
   [ -d "$A/serve/target" ] || python3 -c "from hf_carryover.reference import save_reference_for_serving as s; s('$A/serve/target')"
 }
+call_box() {  # call_box SECONDS: that time box, cut to what is left of the device call since this script started
+  # (CALL_SECONDS, default 600, the call's limit; 15 s kept for the flush), so that a job ends and its rows travel
+  # before the call is killed (2026-12-04c: the GGUF join and conversion ran before a 570 s box, and the call was killed
+  # at 600 s mid-row)
+  local left=$(( ${CALL_SECONDS:-600} - SECONDS - 15 ))
+  if [ "$1" -gt "$left" ]; then
+    log "time box $1 s cut to $left s (CALL_SECONDS=${CALL_SECONDS:-600}, $SECONDS s gone)" >&2
+    echo $(( left > 1 ? left : 1 ))
+  else echo "$1"; fi
+}
 pin() {  # pin GPU: the command prefix that keeps a GPU's job on its own half of the cores (ENGINE_PIN=0: off). The
   # batch-1 engine is launch-bound, so a job compiling on all cores beside it slows it: the likely cause of the
   # 2026-11-30e speed differences between calls. Inductor's compile threads are capped to the same half.
@@ -569,7 +579,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
   # separated by ';'. A job is "METHODS|DRAFTERS|DATASETS|FLAGS": benchmark.py methods, drafter names (from
   # ~/assets/drafters, stashed by vllmstash carrying .vllm/drafters, else runs/NAME/final), datasets, flags that
   # override the defaults below (e.g. --compile, --limit 32 --batch_sizes 1 2 4 8 16, --temperature 1) and an optional
-  # fifth field, the job's time box in seconds (default ENGINE_BOX). The job
+  # fifth field, the job's time box in seconds (default ENGINE_BOX; cut by call_box to the call's time left). The job
   # "profile" splits a generate() round's time on the GPU (examples/profile_generate.py --device cuda); the job
   # "attnbench" times one layer's attention per way of calling it (trainer/gpu_attention_bench.py); the job
   # "engprofile" splits a captured engine round's (examples/profile_engine.py, PROFILE_* below); the job
@@ -649,7 +659,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
     IFS='|' read -r m d ds fl box <<< "$3"; D=""
     for n in $d; do  # NAME (a stashed drafter), or LABEL=NAME[,engine keys] (resolve_drafter), e.g. a setting beside it
       if [[ $n == *=* ]]; then D="$D $(resolve_drafter $n)"; else D="$D $n=$(drafter_dir $n)"; fi; done
-    CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${box:-${ENGINE_BOX:-300}} $(pin $1) python3 examples/benchmark.py --target $S/target --prompts_dir $A/prompts \
+    CUDA_VISIBLE_DEVICES=$(gpu $1) timeout $(call_box ${box:-${ENGINE_BOX:-300}}) $(pin $1) python3 examples/benchmark.py --target $S/target --prompts_dir $A/prompts \
       --methods $m ${D:+--drafters $D} --datasets $ds --limit ${VLLM_LIMIT:-10} --max_new_tokens ${VLLM_MAX_NEW:-256} \
       --batch_sizes ${VLLM_BATCHES:-1 8} --cuda_graphs ${ENGINE_FLAGS:-} $fl --out $R/${stamp}_gpu$1_$2 > "$L/bench_${stamp}_gpu$1_$2.log" 2>&1 \
       || log "engine job $2 on GPU $1 stopped: $?"
