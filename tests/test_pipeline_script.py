@@ -55,3 +55,6 @@ def test_call_box_cuts_a_job_to_the_time_left_in_the_device_call(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.split("\n")[:3] == ["85 60", "1", "300"], r.stdout
     assert "time box 570 s cut to 85 s" in r.stderr  # the log line goes to stderr, not into the box
+    # every time box of the script goes through it
+    boxes = re.findall(r"timeout (?:-k \d+ )?(\S+)", SCRIPT.read_text())
+    assert len(boxes) >= 20 and all(b == "$(call_box" for b in boxes), boxes

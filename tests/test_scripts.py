@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _in_process(monkeypatch, script: Path, args, cwd):
     """What `python SCRIPT ARGS` does, run in this process: the script's main() with that sys.argv, in `cwd`."""
-    sys.path.insert(0, str(script.parent))
+    monkeypatch.syspath_prepend(str(script.parent))  # undone after the test, as argv and cwd are
     module = importlib.import_module(script.stem)
     monkeypatch.setattr(sys, "argv", [str(script), *map(str, args)])
     monkeypatch.chdir(cwd)

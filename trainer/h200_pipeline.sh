@@ -120,7 +120,7 @@ serve_target() {  # the bf16 serving folder of the converted target, ~/assets/se
 call_box() {  # call_box SECONDS: that time box, cut to what is left of the device call since this script started
   # (CALL_SECONDS, default 600, the call's limit; 15 s kept for the flush), so that a job ends and its rows travel
   # before the call is killed (2026-12-04c: the GGUF join and conversion ran before a 570 s box, and the call was killed
-  # at 600 s mid-row)
+  # at 600 s mid-row). Every `timeout` below takes its box through it.
   local left=$(( ${CALL_SECONDS:-600} - SECONDS - 15 ))
   if [ "$1" -gt "$left" ]; then
     log "time box $1 s cut to $left s (CALL_SECONDS=${CALL_SECONDS:-600}, $SECONDS s gone)" >&2
@@ -142,7 +142,7 @@ profile_job() {  # profile_job GPU TAG: where a generate() round's time goes on 
   # forwards, our candidate generator, transformers' loop; PROFILE_DRAFTER (default dflash-carryover-gated), with and
   # without lookup
   local f; f=$(drafter_dir ${PROFILE_DRAFTER:-dflash-carryover-gated})
-  CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${PROFILE_SECONDS:-200} $(pin $1) python3 examples/profile_generate.py --device cuda \
+  CUDA_VISIBLE_DEVICES=$(gpu $1) timeout $(call_box ${PROFILE_SECONDS:-200}) $(pin $1) python3 examples/profile_generate.py --device cuda \
     --drafter $f --num_assistant_tokens 15 4 --lookup 15 --max_new_tokens 128 --out $R/$2_profile_gpu$1.json \
     > "$L/profile_$2.log" 2>&1 || log "profile stopped: $?"
 }
@@ -358,22 +358,22 @@ eval)
   (  # GPU 1: the CUDA-graph engine check, then the wall-clock benchmark (same prompts, every method; each finished
      # row lands in bench_raw.jsonl at once), the latency-model run (eager, profiled) and the 4B projection
     export CUDA_VISIBLE_DEVICES=$(gpu 1)
-    timeout ${CHECK_SECONDS:-80} python3 trainer/gpu_engine_check.py ${CHECK_EXTRA:---compile} --out $R/gpu_engine_check.json \
+    timeout $(call_box ${CHECK_SECONDS:-80}) python3 trainer/gpu_engine_check.py ${CHECK_EXTRA:---compile} --out $R/gpu_engine_check.json \
       > "$L/gpu_engine_check.log" 2>&1 || log "engine check stopped: $?"
-    timeout ${BENCH_SECONDS:-200} python3 examples/benchmark.py $P --drafters $BENCH_DRAFTERS --cuda_graphs \
+    timeout $(call_box ${BENCH_SECONDS:-200}) python3 examples/benchmark.py $P --drafters $BENCH_DRAFTERS --cuda_graphs \
       --datasets humaneval mtbench --limit ${BENCH_LIMIT:-5} --batch_sizes 1 4 16 ${BENCH_EXTRA:-} \
       --out $R/bench > "$L/bench.log" 2>&1 || log "benchmark stopped: $?"
-    timeout 60 python3 examples/benchmark.py $P --drafters $BENCH_DRAFTERS --methods engine_ar engine \
+    timeout $(call_box 60) python3 examples/benchmark.py $P --drafters $BENCH_DRAFTERS --methods engine_ar engine \
       --datasets humaneval --limit 3 --batch_sizes 1 --profile ${BENCH_EXTRA:-} \
       --out $R/bench_profile > "$L/bench_profile.log" 2>&1 || log "profile run stopped: $?"
-    [ "${BENCH4B:-1}" = 1 ] && timeout 60 python3 examples/benchmark.py $P --target qwen3-4b-random --random_drafter \
+    [ "${BENCH4B:-1}" = 1 ] && timeout $(call_box 60) python3 examples/benchmark.py $P --target qwen3-4b-random --random_drafter \
       --datasets mtbench --limit 2 --max_new_tokens 128 --methods engine_ar engine --profile \
       --out $R/bench4b > "$L/bench4b.log" 2>&1 || log "4B projection stopped or skipped: $?"
   ) &
   export CUDA_VISIBLE_DEVICES=0
   # τ itself is the `tau` phase's (batched engine, all prompts); here only the cross-check through
   # target.generate(assistant_model=...) itself, a few prompts, T=0 and T=1
-  timeout ${GEN_SECONDS:-200} python3 examples/evaluate_tau.py $P $F ${TAU_EXTRA:-} --drafters $D --datasets mtbench \
+  timeout $(call_box ${GEN_SECONDS:-200}) python3 examples/evaluate_tau.py $P $F ${TAU_EXTRA:-} --drafters $D --datasets mtbench \
     --temperatures 0 1 --limit ${GEN_LIMIT:-4} --out $R/tau_gen > "$L/tau_gen.log" 2>&1 || log "generate tau stopped: $?"; flush
   python3 examples/evaluate_tau.py $P --drafters $D --out $R/tau_gen --summarize_only > /dev/null 2>&1 || true
   log "generate() cross-check done"
@@ -390,7 +390,7 @@ tau)  # τ of the four drafters at T=0 and T=1 through the batched engine (fp32)
   tau_run() {  # tau_run GPU NAME DRAFTER...
     local g=$1 n=$2; shift 2
     local tv=TAU_TEMPS_G$g; local temps=${!tv:-${TAU_TEMPS:-0 1}}  # per GPU (TAU_TEMPS_G0), else for both
-    CUDA_VISIBLE_DEVICES=$(gpu $g) timeout ${TAU_SECONDS:-250} python3 examples/evaluate_tau.py --prompts_dir $A/prompts \
+    CUDA_VISIBLE_DEVICES=$(gpu $g) timeout $(call_box ${TAU_SECONDS:-250}) python3 examples/evaluate_tau.py --prompts_dir $A/prompts \
       --dtype float32 --engine --engine_batch 128 --drafters "$@" --datasets mtbench humaneval sharegpt \
       --temperatures $temps ${TAU_EXTRA:-} --out $R/tau_engine_$n-$stamp > $R/tau_engine_$n-$stamp.log 2>&1
   }
@@ -450,7 +450,7 @@ regen)  # more training responses (trainer/regenerate.py), REGEN_SETS="T:SEED:ST
       local g=$1 pr=$2 o=$3 st=$4 lg=$5; shift 5
       local sets_arg=(); [ $# -gt 0 ] && sets_arg=(--sets "$@")
       CUDA_VISIBLE_DEVICES=$g PYTHONPATH=$A/vllm_site:$PYTHONPATH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-        timeout ${REGEN_SECONDS:-400} python3 trainer/regenerate.py --engine vllm --target $A/serve/target \
+        timeout $(call_box ${REGEN_SECONDS:-400}) python3 trainer/regenerate.py --engine vllm --target $A/serve/target \
         --prompts $pr --out $o --start $st --batch_size 512 --gpu_memory_utilization 0.85 \
         ${REGEN_DTYPE:+--dtype $REGEN_DTYPE} "${sets_arg[@]}" > "$L/$lg-vllm.log" 2>&1 || log "$lg (vllm) stopped: $?"
     }
@@ -471,7 +471,7 @@ regen)  # more training responses (trainer/regenerate.py), REGEN_SETS="T:SEED:ST
   for i in "${!sets[@]}"; do  # REGEN_WORKERS transformers processes per set, set i on GPU i % 2 (REGEN_GPUS: all)
     spec_vars ${sets[$i]}; gpus=(${REGEN_GPUS:-$(gpu $i)})
     ( for w in $(seq 0 $((${REGEN_WORKERS:-4} - 1))); do
-        CUDA_VISIBLE_DEVICES=${gpus[$((w % ${#gpus[@]}))]} timeout ${REGEN_SECONDS:-400} python3 trainer/regenerate.py \
+        CUDA_VISIBLE_DEVICES=${gpus[$((w % ${#gpus[@]}))]} timeout $(call_box ${REGEN_SECONDS:-400}) python3 trainer/regenerate.py \
           --prompts $prompts --out $out/$name --temperature $t --seed $seed --start $start \
           --num_workers ${REGEN_WORKERS:-4} ${REGEN_DTYPE:+--dtype $REGEN_DTYPE} \
           --worker_index $w > "$L/$name-w$w.log" 2>&1 &
@@ -488,7 +488,7 @@ gentau)  # τ through target.generate(assistant_model=...) itself, fp32, GEN_WOR
   ready_target
   gen_run() {  # gen_run GPU DRAFTER...
     local g=$1; shift
-    CUDA_VISIBLE_DEVICES=$(gpu $g) timeout ${GEN_SECONDS:-300} python3 examples/evaluate_tau.py --prompts_dir $A/prompts \
+    CUDA_VISIBLE_DEVICES=$(gpu $g) timeout $(call_box ${GEN_SECONDS:-300}) python3 examples/evaluate_tau.py --prompts_dir $A/prompts \
       --dtype float32 --workers ${GEN_WORKERS:-12} --drafters "$@" --datasets mtbench humaneval sharegpt \
       --temperatures ${GEN_TEMPS:-0} --out $R/tau_gen_gpu$g > $R/tau_gen_gpu$g.log 2>&1 || log "generate tau on GPU $g stopped: $?"
     python3 examples/evaluate_tau.py --out $R/tau_gen_gpu$g --summarize_only --drafters "$@" | tail -8 || true
@@ -504,7 +504,7 @@ ddp)  # trainer/ddp_check.sh on the real target: stage 1 from scratch on 1 GPU (
   # DDP_DATA (default ~/assets/data): a frozen copy when a `regen` beside it is adding response sets to ~/assets/data
   ready_target
   OUT=$R DDP_TARGET=reference DDP_STEPS=${DDP_STEPS:-300} DDP_BATCH=${DDP_BATCH:-16} DDP_LOG_EVERY=10 \
-    DDP_EVAL_RECORDS=64 timeout ${DDP_SECONDS:-330} bash trainer/ddp_check.sh ${DDP_DATA:-$A/data} > "$L/ddp_check.log" 2>&1 \
+    DDP_EVAL_RECORDS=64 timeout $(call_box ${DDP_SECONDS:-330}) bash trainer/ddp_check.sh ${DDP_DATA:-$A/data} > "$L/ddp_check.log" 2>&1 \
     || log "ddp check stopped: $?"
   tail -5 "$L/ddp_check.log"
   ;;
@@ -548,22 +548,22 @@ vllm)
   ngpu=$(nvidia-smi -L 2>/dev/null | grep -c GPU || true)
   vllm_bench() {  # bundle first on the path (its pydantic etc. are the versions vLLM was checked with); no network
     CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD:$A/vllm_site:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
-      TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 timeout -k 20 ${VLLM_SECONDS:-$1} $(pin 0) python3 examples/bench_vllm.py \
+      TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 timeout -k 20 $(call_box ${VLLM_SECONDS:-$1}) $(pin 0) python3 examples/bench_vllm.py \
       --target $S/target ${EXPORTS:+--drafter_export $EXPORTS} --num_speculative_tokens ${VLLM_K:-15} $B \
       ${VLLM_EXTRA:-} > "$L/bench_vllm.log" 2>&1 || log "vllm bench stopped: $?"
   }
   engine_bench() {  # our engine, same bf16 weights file, CUDA graphs; ENGINE_METHODS="engine_ar engine engine_lookup"
     # with ENGINE_FLAGS="--compile --lookup 15" adds the context-lookup rows
-    CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${ENGINE_SECONDS:-$2} $(pin $1) python3 examples/benchmark.py --target $S/target \
+    CUDA_VISIBLE_DEVICES=$(gpu $1) timeout $(call_box ${ENGINE_SECONDS:-$2}) $(pin $1) python3 examples/benchmark.py --target $S/target \
       ${ENGINE_D:+--drafters $ENGINE_D} --methods ${ENGINE_METHODS:-engine_ar engine} --cuda_graphs ${ENGINE_FLAGS:-} $B > "$L/bench_engine.log" 2>&1 \
       || log "engine bench stopped: $?"
   }
   gpu1_extra() {  # after the engine rows on GPU 1 (VLLM_GPU1_EXTRA=1): compile exactness in fp32 on a random
     # SmolLM2-shaped target, then the Qwen3-4B-shaped timing projection
-    CUDA_VISIBLE_DEVICES=$(gpu 1) timeout ${CHECK_SECONDS:-150} python3 trainer/gpu_engine_check.py --compile --dtypes fp32 \
+    CUDA_VISIBLE_DEVICES=$(gpu 1) timeout $(call_box ${CHECK_SECONDS:-150}) python3 trainer/gpu_engine_check.py --compile --dtypes fp32 \
       --batch_sizes 1 --out $R/gpu_engine_check_fp32.json > "$L/gpu_engine_check.log" 2>&1 || log "engine check stopped: $?"
     flush
-    CUDA_VISIBLE_DEVICES=$(gpu 1) timeout 90 python3 examples/benchmark.py --prompts_dir $A/prompts --target qwen3-4b-random \
+    CUDA_VISIBLE_DEVICES=$(gpu 1) timeout $(call_box 90) python3 examples/benchmark.py --prompts_dir $A/prompts --target qwen3-4b-random \
       --random_drafter --datasets mtbench --limit 2 --max_new_tokens 128 --methods engine_ar engine --profile \
       --out $R/bench4b > "$L/bench4b.log" 2>&1 || log "4B projection stopped: $?"
   }
@@ -601,7 +601,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
     if [ "$3" = check ]; then  # CHECK_DRAFTER=NAME: the real target, that trained drafter and MT-Bench prompts
       T=""; if [ -n "${CHECK_DRAFTER:-}" ]; then f=$(drafter_dir $CHECK_DRAFTER)
         T="--target reference --drafter $f --prompts_dir $A/prompts"; fi
-      CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${CHECK_SECONDS:-200} $(pin $1) python3 trainer/gpu_engine_check.py $([ "${CHECK_COMPILE:-1}" = 0 ] || echo --compile) --dtypes fp32 \
+      CUDA_VISIBLE_DEVICES=$(gpu $1) timeout $(call_box ${CHECK_SECONDS:-200}) $(pin $1) python3 trainer/gpu_engine_check.py $([ "${CHECK_COMPILE:-1}" = 0 ] || echo --compile) --dtypes fp32 \
         --kinds ${CHECK_KINDS:-dflash} --batch_sizes ${CHECK_BATCHES:-1} $T ${CHECK_LOOKUP:+--lookup $CHECK_LOOKUP} \
         ${CHECK_DETERMINISTIC:+--deterministic} ${CHECK_CONTINUOUS:+--continuous} \
         ${CHECK_INDUCTOR:+--inductor $CHECK_INDUCTOR} ${CHECK_TREE:+--tree ${f:?CHECK_TREE needs CHECK_DRAFTER}/draft_tree.json \
@@ -612,7 +612,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
     if [ "$3" = profile ]; then profile_job $1 $stamp; flush; return; fi
     if [ "$3" = attnbench ]; then  # trainer/gpu_attention_bench.py: one layer's attention per way of calling it, at the
       # reference target's shapes, compiled and captured (ATTN_ARGS added, ATTN_SECONDS)
-      CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${ATTN_SECONDS:-120} $(pin $1) python3 trainer/gpu_attention_bench.py \
+      CUDA_VISIBLE_DEVICES=$(gpu $1) timeout $(call_box ${ATTN_SECONDS:-120}) $(pin $1) python3 trainer/gpu_attention_bench.py \
         ${ATTN_ARGS:-} --out $R/${stamp}_attention_bench.json > "$L/attnbench_$stamp.log" 2>&1 \
         || log "attention bench stopped: $?"
       flush; return
@@ -625,7 +625,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
       IFS=';' read -ra V <<< "${PROFILE_INDUCTOR:--}"; IFS=';' read -ra EV <<< "${PROFILE_ENGINE:--}"; i=0
       for v in "${V[@]}"; do v=$(sed 's/^ *//; s/ *$//' <<< "$v"); [ "$v" = - ] && v=""
         for e in "${EV[@]}"; do e=$(sed 's/^ *//; s/ *$//' <<< "$e"); [ "$e" = - ] && e=""
-          CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${PROFILE_SECONDS:-300} $(pin $1) python3 examples/profile_engine.py \
+          CUDA_VISIBLE_DEVICES=$(gpu $1) timeout $(call_box ${PROFILE_SECONDS:-300}) $(pin $1) python3 examples/profile_engine.py \
             --drafter $f --tree $f/draft_tree.json --prompts_dir $A/prompts --modes ${PROFILE_MODES:-ar tree_lookup} \
             ${v:+--inductor $v} ${e:+--engine_options $e} ${PROFILE_ARGS:-} --out $R/${stamp}_profile_engine_$i.json \
             > "$L/engprofile_${stamp}_$i.log" 2>&1 || log "engine profile $i stopped: $?"
@@ -639,7 +639,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
       # default "none all"), with REPLAY_CONFIGS, REPLAY_PAIRS, REPLAY_PROMPTS; REPLAY_PROBE=N: the cumsum probe too
       f=$(drafter_dir ${REPLAY_DRAFTER:-dflash-carryover-gated})
       for m in ${REPLAY_MODES:-none all}; do
-        CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${REPLAY_SECONDS:-240} $(pin $1) python3 trainer/gpu_replay_diff.py \
+        CUDA_VISIBLE_DEVICES=$(gpu $1) timeout $(call_box ${REPLAY_SECONDS:-240}) $(pin $1) python3 trainer/gpu_replay_diff.py \
           --target reference --drafter $f --prompts_dir $A/prompts --prompts ${REPLAY_PROMPTS:-2} --determinism $m \
           ${REPLAY_CONFIGS:+--configs $REPLAY_CONFIGS} ${REPLAY_PAIRS:+--pairs $REPLAY_PAIRS} \
           ${REPLAY_PROBE:+--probe_cumsum $REPLAY_PROBE} --out $R/${stamp}_replay_diff_$m.json \
@@ -651,7 +651,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
     if [ "$3" = gencheck ]; then  # generate()'s static rounds (CUDA graphs) against plain greedy and the dynamic path,
       # fp32, the real target and GENCHECK_DRAFTER (default dflash-carryover-gated), GENCHECK_LIMIT prompts per dataset
       f=$(drafter_dir ${GENCHECK_DRAFTER:-dflash-carryover-gated})
-      CUDA_VISIBLE_DEVICES=$(gpu $1) timeout ${GENCHECK_SECONDS:-150} $(pin $1) python3 trainer/gpu_generate_check.py \
+      CUDA_VISIBLE_DEVICES=$(gpu $1) timeout $(call_box ${GENCHECK_SECONDS:-150}) $(pin $1) python3 trainer/gpu_generate_check.py \
         --drafter $f --prompts_dir $A/prompts --limit ${GENCHECK_LIMIT:-5} --sampled \
         --out $R/${stamp}_generate_check_fp32.json > "$L/gencheck_$stamp.log" 2>&1 || log "generate check stopped: $?"
       flush; return
@@ -694,7 +694,7 @@ tree)  # draft trees (hf_carryover/engine/tree.py) for the stashed drafters TREE
   for step in ${TREE_STEPS:-calib tau speed}; do case $step in
   calib)
     for d in "${DR[@]}"; do
-      timeout ${CALIB_SECONDS:-150} python3 examples/calibrate_tree.py --drafter $A/drafters/$d \
+      timeout $(call_box ${CALIB_SECONDS:-150}) python3 examples/calibrate_tree.py --drafter $A/drafters/$d \
         --data $A/data/train/regen-T0-s0 --responses ${TREE_RESPONSES:-400} --nodes ${TREE_SUPERSET:-512} \
         --out $R/tree_$d.json > $L/calib_$d.log 2>&1 || log "calibration of $d stopped: $?"
       tail -1 $L/calib_$d.log; flush
@@ -710,7 +710,7 @@ tree)  # draft trees (hf_carryover/engine/tree.py) for the stashed drafters TREE
           D="$D $d-tree$n-lookup-nosib=$A/drafters/$d,tree=$TD/tree_$d.json,tree_nodes=$n,lookup=15,lookup_siblings=false"
       done
     done
-    timeout ${TAU_SECONDS:-420} python3 examples/evaluate_tau.py --prompts_dir $A/prompts --dtype float32 --engine \
+    timeout $(call_box ${TAU_SECONDS:-420}) python3 examples/evaluate_tau.py --prompts_dir $A/prompts --dtype float32 --engine \
       --engine_batch 128 --drafters $D --datasets ${TAU_DATASETS:-mtbench humaneval sharegpt} --temperatures 0 \
       --out $R/tau_tree-$stamp > $R/tau_tree-$stamp.log 2>&1 || log "tau stopped: $?"
     python3 examples/evaluate_tau.py --out $R/tau_tree-$stamp --summarize_only --drafters $(for e in $D; do echo ${e%%=*}=x; done) \
@@ -718,7 +718,7 @@ tree)  # draft trees (hf_carryover/engine/tree.py) for the stashed drafters TREE
     flush ;;
   speed)
     D=""; T=""; for d in "${DR[@]}"; do D="$D $d=$A/drafters/$d"; T="$T $d=$TD/tree_$d.json"; done
-    timeout ${SPEED_SECONDS:-420} python3 examples/benchmark.py --drafters $D --tree $T --tree_nodes ${SPEED_NODES:-${TREE_NODES:-31 63}} \
+    timeout $(call_box ${SPEED_SECONDS:-420}) python3 examples/benchmark.py --drafters $D --tree $T --tree_nodes ${SPEED_NODES:-${TREE_NODES:-31 63}} \
       --lookup 15 --compile --cuda_graphs --batch_sizes 1 --limit ${TREE_LIMIT:-10} --prompts_dir $A/prompts \
       --datasets mtbench humaneval --methods ${SPEED_METHODS:-engine_ar engine engine_lookup engine_tree engine_tree_lookup} \
       --out $R/speed-$stamp > $R/speed-$stamp.log 2>&1 || log "speed stopped: $?"
