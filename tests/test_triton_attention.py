@@ -42,7 +42,7 @@ def test_kernel_equals_sdpa_on_every_mask_the_engine_makes():
         errs = {}
 
         def case(name, b, heads, kvh, q, keys, mask, dtype=torch.float32, modes=("scan", "skip"), blocks=(16, 64),
-                 splits=(0,)):
+                 splits=(0,), block_ms=(0,)):
             Q = torch.randn(b, heads, q, 64, generator=g).to(dtype)
             K = torch.randn(b, kvh, keys, 64, generator=g).to(dtype)
             V = torch.randn(b, kvh, keys, 64, generator=g).to(dtype)
@@ -54,17 +54,21 @@ def test_kernel_equals_sdpa_on_every_mask_the_engine_makes():
             for mode in modes:
                 for bn in blocks:
                     for sp in splits:  # split_n 0: one program per row block; else parts walked side by side
-                        o = masked_gqa_attention(Q, K, V, mask, 64 ** -0.5, mode, bn, 4, sp)
-                        assert o.shape == (b, q, heads, 64) and o.dtype == dtype
-                        errs[f"{name}/{mode}{bn}" + (f"s{sp}" if sp else "")] = (o.double() - ref).abs().max().item()
+                        for bm in block_ms:  # rows a program (0: all of a K/V head's, at most 64)
+                            o = masked_gqa_attention(Q, K, V, mask, 64 ** -0.5, mode, bn, 4, sp, block_m=bm)
+                            assert o.shape == (b, q, heads, 64) and o.dtype == dtype
+                            errs[f"{name}/{mode}{bn}" + (f"s{sp}" if sp else "") + (f"m{bm}" if bm else "")] = (
+                                (o.double() - ref).abs().max().item())
 
         keys = torch.arange(200)
         # a linear round: query rows at positions 50.. / 120.. see keys at positions <= their own (200 keys: not a
         # multiple of the 64-key blocks)
         pos = torch.tensor([[50 + i for i in range(5)], [120 + i for i in range(5)]])
         # split over keys (32 or 64 keys a part: 7 or 4 parts): rows at 50.. use 2 parts, rows at 120.. 4 or 2
-        case("causal", 2, 9, 3, 5, 200, keys[None, None, None, :] <= pos[:, None, :, None], splits=(0, 32))
-        # a tree round of 47 rows (141 rows of three heads: three row blocks): committed keys and random ancestors
+        case("causal", 2, 9, 3, 5, 200, keys[None, None, None, :] <= pos[:, None, :, None], splits=(0, 32),
+             modes=("scan", "skip", "dense"))
+        # a tree round of 47 rows (141 rows of three heads: three row blocks of 64, or nine of 16): committed keys and
+        # random ancestors
         anchor = torch.tensor([30, 90])
         anc = torch.rand(2, 47, 47, generator=g) < 0.3
         anc = anc.tril() | torch.eye(47, dtype=torch.bool)
@@ -72,7 +76,7 @@ def test_kernel_equals_sdpa_on_every_mask_the_engine_makes():
         inside = (rel >= 0) & (rel < 47)
         cols = anc.gather(2, rel.clamp(0, 46)[:, None, :].expand(-1, 47, -1))
         case("tree", 2, 9, 3, 47, 200, ((rel < 0)[:, None, :] | (inside[:, None, :] & cols))[:, None],
-             modes=("scan",), splits=(0, 32))
+             modes=("scan", "dense"), splits=(0, 32), block_ms=(0, 16))
         # one mask for the whole batch (stride 0), one head per K/V head, and a row that sees no key at all
         m = keys[None, None, None, :] < torch.tensor([0, 3, 64, 65])[None, None, :, None]
         case("broadcast_empty_row", 3, 4, 4, 4, 200, m, splits=(0, 32))
@@ -86,7 +90,8 @@ def test_kernel_equals_sdpa_on_every_mask_the_engine_makes():
                    check_inputs(torch.zeros(1, 9, 2, 8), torch.zeros(1, 3, 64, 8), torch.zeros(1, 3, 64, 8),
                                 torch.ones(1, 1, 2, 64, dtype=torch.bool)),  # head dim 8
                    check_inputs(Q, K, K, torch.ones(1, 1, 2, 64, dtype=torch.bool), mode="other"),
-                   check_inputs(Q, K, K, torch.ones(1, 1, 2, 64, dtype=torch.bool), block_n=48)]
+                   check_inputs(Q, K, K, torch.ones(1, 1, 2, 64, dtype=torch.bool), block_n=48),
+                   triton_attention.check_settings("dense", 64, "attention_", block_m=24)]
         # the last part to finish resets its arrival counter: all zero again for the next call
         counters = sum(int(c.abs().sum()) for c in triton_attention._COUNTERS.values())
         plans = [split_plan(200, 16, 32), split_plan(200, 64, 32), split_plan(200, 16, 0), split_plan(200, 16, 400),
@@ -94,13 +99,13 @@ def test_kernel_equals_sdpa_on_every_mask_the_engine_makes():
         print(json.dumps({"errs": errs, "refused": refused, "counters": counters, "plans": plans}))
     """)
     errs = out["errs"]
-    assert len(errs) == 22
+    assert len(errs) == 38
     for name, err in errs.items():
         assert err < (2e-3 if name.startswith("fp16") else 2e-6), (name, err)
     assert errs["broadcast_empty_row/scan16"] < 2e-6  # the empty row's zeros are part of this comparison
     refused = out["refused"]
     assert "boolean mask" in refused[0] and "head_dim=8" in refused[1]
-    assert "mode='other'" in refused[2] and "block_n=48" in refused[3]
+    assert "mode='other'" in refused[2] and "block_n=48" in refused[3] and "attention_block_m=24" in refused[4]
     assert out["counters"] == 0
     # (keys a part, parts): whole key blocks, at most MAX_SPLITS (16) parts; 0 or a part as long as the cache: one
     assert out["plans"] == [[32, 7], [64, 4], [200, 1], [200, 1], [256, 16]]

@@ -16,7 +16,9 @@ kernel. This script times the alternatives the engine could take, each compiled 
   * `triton_<mode><BLOCK_N>[w<warps>][s<SPLIT_N>]`, e.g. `triton_scan64`, `triton_skip128w8`, `triton_scan128s256`:
     the engine's Triton kernel (`hf_carryover/engine/triton_attention.py`, `SpeculativeEngine(attention="triton")`),
     which reads only the keys some query row sees; `s<SPLIT_N>`: the keys in use cut into parts of SPLIT_N walked
-    at the same time (no `s`: one program walks them all, as before 2026-12-03c).
+    at the same time (no `s`: one program walks them all, as before 2026-12-03c); `dense`: the scan's end, then every
+    key block up to it without the per-block branch on the mask (K/V loads issued with the mask's); `m<BLOCK_M>`:
+    (query row, head) pairs a program (default: all of a K/V head's, 16 to 64); `p<STAGES>`: Triton's num_stages.
 
 Each row records microseconds per layer and the largest difference from a float64 reference.
 
@@ -68,10 +70,11 @@ def layer_fn(variant, heads, kv_heads, mask, keys):
 
         from hf_carryover.engine.triton_attention import masked_gqa_attention
 
-        mode, block_n, warps, split = re.fullmatch(r"triton_(scan|skip)(\d+)(?:w(\d+))?(?:s(\d+))?",
-                                                   variant).groups()
+        mode, block_n, warps, split, block_m, stages = re.fullmatch(
+            r"triton_(scan|skip|dense)(\d+)(?:w(\d+))?(?:s(\d+))?(?:m(\d+))?(?:p(\d+))?", variant).groups()
         return lambda q, k, v: masked_gqa_attention(q, k, v, mask, q.shape[-1] ** -0.5, mode, int(block_n),
-                                                    int(warps or 4), int(split or 0)).transpose(1, 2)  # [1, h, q, d]
+                                                    int(warps or 4), int(split or 0), block_m=int(block_m or 0),
+                                                    num_stages=int(stages or 0)).transpose(1, 2)  # [1, h, q, d]
     if variant.startswith("window"):
         w = int(variant[len("window"):])
         m = mask[..., :w]

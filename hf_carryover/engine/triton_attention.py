@@ -18,6 +18,10 @@ flash attention's running max and sum (fp32) over key blocks of `BLOCK_N`:
     pass walks the key blocks up to it. The mask pass has no branches, so its loads overlap.
   * `skip`: no first pass; the walk covers the whole cache.
   In both, a key block whose mask is empty for all the program's rows is skipped (its K/V never read).
+  * `dense`: `scan`'s first pass, then every key block up to the end is folded in without that branch, so a block's
+    K/V loads go out together with its mask's instead of after it, in a `for` loop Triton can pipeline
+    (`num_stages`). Why: the kernel is latency-bound at these sizes (a few hundred keys, 3 K/V heads), and up to the
+    scan's end nearly every block holds a seen key.
 
 Split over keys (`split_n`, flash-decoding's idea): one program walks its keys one block after another, about 2.8 us per
 128 keys at one query row on the H200, so with 1800 keys in use of 2048 a layer took 40.8-42.5 us against SDPA's 6.8-6.9
@@ -56,7 +60,7 @@ try:
 except ImportError:  # the engine then keeps SDPA (`available()` says why)
     triton = tl = None
 
-MODES = ("scan", "skip")
+MODES = ("scan", "skip", "dense")
 
 
 def available(device: torch.device | str = "cuda") -> str | None:
@@ -68,11 +72,39 @@ def available(device: torch.device | str = "cuda") -> str | None:
     return None
 
 
+def _fold(q, k_base, v_base, m_row, cols, row_ok, n_keys, skn, svn, smn, d, scale_log2, bias_lo, bias_hi, bias,
+          acc, l_i, m_i, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, SKIP_EMPTY: tl.constexpr):
+    """One key block `cols` folded into a block of rows' running (acc, sum, max), flash attention's update.
+    SKIP_EMPTY: the block's K/V are read only when some row sees one of its keys (a branch on the mask's load)."""
+    in_cache = cols < n_keys
+    seen = tl.load(m_row[:, None] + cols[None, :] * smn, mask=row_ok[:, None] & in_cache[None, :], other=0) != 0
+    fold = True
+    if SKIP_EMPTY:
+        fold = tl.max(tl.max(seen.to(tl.int32), 1), 0) > 0
+    if fold:
+        # K and V loaded together, so their latencies overlap
+        k = tl.load(k_base + cols[:, None] * skn + d[None, :], mask=in_cache[:, None], other=0.0)
+        v = tl.load(v_base + cols[:, None] * svn + d[None, :], mask=in_cache[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if HAS_BIAS:
+            span = (cols >= bias_lo) & (cols < bias_hi)  # [BLOCK_N]
+            s += tl.where(span[None, :], bias[:, None], 0.0)
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet: exp2(-inf) = 0
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # [BLOCK_M, D]
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
 def _attention_kernel(Q, K, V, M, O, WS, CNT, BIAS, n_q, n_keys, scale_log2, bias_lo, bias_hi,
                       sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, smb, smm, smn, sob, som, soh,
                       KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, KEY_BLOCKS: tl.constexpr, SCAN: tl.constexpr, PRECISION: tl.constexpr,
-                      SPLIT_N: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr):
+                      SPLIT_N: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, DENSE: tl.constexpr):
     """Grid (batch * KV_HEADS, cdiv(n_q * GROUPS, BLOCK_M), SPLITS). Row r of a program's block is query row
     r // GROUPS with query head kv_head * GROUPS + r % GROUPS; split s walks keys [s * SPLIT_N, (s+1) * SPLIT_N).
     HAS_BIAS: keys bias_lo..bias_hi-1 get BIAS[head] (fp32, log2 units) added to their scores."""
@@ -105,32 +137,22 @@ def _attention_kernel(Q, K, V, M, O, WS, CNT, BIAS, n_q, n_keys, scale_log2, bia
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the scaled scores (log2 units)
         l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
+        bias = l_i  # unused without HAS_BIAS
         if HAS_BIAS:
             bias = tl.load(BIAS + head, mask=row_ok, other=0.0)  # [BLOCK_M]
         start = split * SPLIT_N
         stop = tl.minimum(start + SPLIT_N, n_end)
-        while start < stop:
-            cols = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-            in_cache = cols < n_keys
-            seen = tl.load(m_row[:, None] + cols[None, :] * smn, mask=row_ok[:, None] & in_cache[None, :],
-                           other=0) != 0
-            if tl.max(tl.max(seen.to(tl.int32), 1), 0) > 0:  # some row sees a key of this block: fold it in
-                # K and V loaded together, so their latencies overlap
-                k = tl.load(k_base + cols[:, None] * skn + d[None, :], mask=in_cache[:, None], other=0.0)
-                v = tl.load(v_base + cols[:, None] * svn + d[None, :], mask=in_cache[:, None], other=0.0)
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
-                if HAS_BIAS:
-                    span = (cols >= bias_lo) & (cols < bias_hi)  # [BLOCK_N]
-                    s += tl.where(span[None, :], bias[:, None], 0.0)
-                s = tl.where(seen, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet: exp2(-inf) = 0
-                alpha = tl.math.exp2(m_i - m_use)
-                p = tl.math.exp2(s - m_use[:, None])
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # [BLOCK_M, D]
-                l_i = l_i * alpha + tl.sum(p, 1)
-                m_i = m_new
-            start += BLOCK_N
+        if DENSE:  # every block up to the end: K/V loads issued with the mask's, a loop Triton can pipeline
+            for blk in tl.range(start, stop, BLOCK_N):
+                cols = blk + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+                acc, l_i, m_i = _fold(q, k_base, v_base, m_row, cols, row_ok, n_keys, skn, svn, smn, d, scale_log2,
+                                      bias_lo, bias_hi, bias, acc, l_i, m_i, HAS_BIAS, PRECISION, False)
+        else:
+            while start < stop:
+                cols = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+                acc, l_i, m_i = _fold(q, k_base, v_base, m_row, cols, row_ok, n_keys, skn, svn, smn, d, scale_log2,
+                                      bias_lo, bias_hi, bias, acc, l_i, m_i, HAS_BIAS, PRECISION, True)
+                start += BLOCK_N
         o_ptr = O + b * sob + qi[:, None] * som + head[:, None] * soh + d[None, :]
         if SPLITS == 1:
             tl.store(o_ptr, (acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]).to(O.dtype.element_ty),
@@ -174,6 +196,7 @@ def _attention_kernel(Q, K, V, M, O, WS, CNT, BIAS, n_q, n_keys, scale_log2, bia
 
 if triton is not None:
     # with TRITON_INTERPRET=1 set before Triton's import, triton.jit gives the interpreter's version (CPU tensors)
+    _fold = triton.jit(_fold)
     _attention_kernel = triton.jit(_attention_kernel)
 
 # per device, the split kernel's arrival counters (int32, all zero between calls: the last split resets its own).
@@ -207,13 +230,15 @@ def split_plan(n_keys: int, block_n: int, split_n: int) -> tuple[int, int]:
     return per, -(-n_keys // per)
 
 
-def _launch(query, key, value, mask, scale, mode, block_n, num_warps, split_n=0, bias=None, bias_lo=0, bias_hi=0):
+def _launch(query, key, value, mask, scale, mode, block_n, num_warps, split_n=0, bias=None, bias_lo=0, bias_hi=0,
+            block_m=0, num_stages=0):
     b, heads, n_q, d = query.shape
     kv_heads, n_keys = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     mask = mask.expand(b, 1, n_q, n_keys)  # a mask broadcast over the batch keeps stride 0
     out = torch.empty(b, n_q, heads, d, dtype=query.dtype, device=query.device)  # [b, q, heads, d]: HF's layout
-    block_m = min(64, max(16, triton.next_power_of_2(n_q * groups)))
+    if block_m <= 0:  # (query row, head) pairs a program: all of them, 16 to 64
+        block_m = min(64, max(16, triton.next_power_of_2(n_q * groups)))
     per, splits = split_plan(n_keys, block_n, split_n)
     grid = (b * kv_heads, triton.cdiv(n_q * groups, block_m), splits)
     programs = grid[0] * grid[1]
@@ -223,6 +248,8 @@ def _launch(query, key, value, mask, scale, mode, block_n, num_warps, split_n=0,
     else:  # unused by the kernel
         ws = cnt = out
     kw = {"num_warps": num_warps} if query.is_cuda else {}
+    if num_stages > 0 and query.is_cuda:
+        kw["num_stages"] = num_stages
     has_bias = bias is not None and bias_hi > bias_lo
     if has_bias:  # natural-log logits -> the kernel's log2 units, one fp32 value per query head
         bias = (bias.float() * math.log2(math.e)).contiguous()
@@ -234,9 +261,9 @@ def _launch(query, key, value, mask, scale, mode, block_n, num_warps, split_n=0,
                             value.stride(0), value.stride(1), value.stride(2),
                             mask.stride(0), mask.stride(2), mask.stride(3), out.stride(0), out.stride(1), out.stride(2),
                             KV_HEADS=kv_heads, GROUPS=groups, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-                            KEY_BLOCKS=triton.cdiv(n_keys, block_n), SCAN=mode == "scan",
+                            KEY_BLOCKS=triton.cdiv(n_keys, block_n), SCAN=mode in ("scan", "dense"),
                             PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SPLIT_N=per,
-                            SPLITS=splits, HAS_BIAS=has_bias, **kw)
+                            SPLITS=splits, HAS_BIAS=has_bias, DENSE=mode == "dense", **kw)
     return out
 
 
@@ -244,31 +271,36 @@ def _launch(query, key, value, mask, scale, mode, block_n, num_warps, split_n=0,
 def masked_gqa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                          scale: float, mode: str = "scan", block_n: int = 128, num_warps: int = 4,
                          split_n: int = 0, bias: torch.Tensor | None = None, bias_lo: int = 0,
-                         bias_hi: int = 0) -> torch.Tensor:
+                         bias_hi: int = 0, block_m: int = 0, num_stages: int = 0) -> torch.Tensor:
     """query `[b, heads, q, d]`, key/value `[b, kv_heads, L, d]`, boolean mask `[b or 1, 1, q, L]` ->
     `[b, q, heads, d]`. An opaque op to torch.compile (inductor calls it as it is) and capturable in CUDA graphs.
     split_n: keys per split (`split_plan`; 0: one program walks all the keys of its rows). bias `[heads]`: added to
     the logits (after scaling) of keys bias_lo..bias_hi-1, per query head (the drafter's carryover gate), as an
-    additive mask would be."""
-    return _launch(query, key, value, mask, scale, mode, block_n, num_warps, split_n, bias, bias_lo, bias_hi)
+    additive mask would be. block_m: (query row, head) pairs a program (a power of two >= 16; 0: all of a K/V
+    head's pairs, 16 to 64); num_stages: Triton's software pipelining of the `dense` walk (0: Triton's default)."""
+    return _launch(query, key, value, mask, scale, mode, block_n, num_warps, split_n, bias, bias_lo, bias_hi,
+                   block_m, num_stages)
 
 
 @masked_gqa_attention.register_fake
 def _(query, key, value, mask, scale, mode="scan", block_n=128, num_warps=4, split_n=0, bias=None, bias_lo=0,
-      bias_hi=0):
+      bias_hi=0, block_m=0, num_stages=0):
     b, heads, n_q, d = query.shape
     return query.new_empty(b, n_q, heads, d)
 
 
-def check_settings(mode: str, block_n: int, prefix: str = "", split_n: int = 0) -> str | None:
-    """None when (mode, block_n, split_n) are kernel settings; otherwise what is wrong, the names read with `prefix`
-    (the engine's arguments are `attention_mode` / `attention_block_n` / `attention_split_n`)."""
+def check_settings(mode: str, block_n: int, prefix: str = "", split_n: int = 0, block_m: int = 0) -> str | None:
+    """None when (mode, block_n, split_n, block_m) are kernel settings; otherwise what is wrong, the names read with
+    `prefix` (the engine's arguments are `attention_mode` / `attention_block_n` / `attention_split_n` /
+    `attention_block_m`)."""
     if mode not in MODES:
         return f"{prefix}mode={mode!r}: one of {MODES}"
     if block_n < 16 or block_n & (block_n - 1):
         return f"{prefix}block_n={block_n}: a power of two >= 16"
     if split_n < 0:
         return f"{prefix}split_n={split_n}: keys per split, >= 0 (0: no split)"
+    if block_m and (block_m < 16 or block_m & (block_m - 1)):
+        return f"{prefix}block_m={block_m}: a power of two >= 16 (0: all of a K/V head's rows, 16 to 64)"
     return None
 
 
