@@ -125,7 +125,7 @@ def test_engine_with_triton_attention_decodes_plain_greedy_text():
 
         calls = []
         real = attention.masked_gqa_attention
-        attention.masked_gqa_attention = lambda *a: calls.append(a[0].shape) or real(*a)
+        attention.masked_gqa_attention = lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw)
         res = {}
         for arch in ("qwen3", "llama"):
             target = build_target(arch, num_layers=2)
@@ -226,7 +226,7 @@ def test_drafter_attention_on_the_kernel_equals_sdpa():
             ref = drafter(block, anchor[:, None] + torch.arange(B), **kw)
             calls = []
             real = attention.masked_gqa_attention
-            attention.masked_gqa_attention = lambda *a: calls.append(a[-2:]) or real(*a)
+            attention.masked_gqa_attention = lambda *a, **kw: calls.append(a[-2:]) or real(*a, **kw)
             settings = {"mode": "scan", "block_n": 16, "num_warps": 4, "split_n": 16}
             with use_drafter_kernel(drafter, DrafterKernel(settings)):
                 got = drafter(block, anchor[:, None] + torch.arange(B), **kw)
@@ -276,6 +276,8 @@ def test_triton_attention_option_errors():
         SpeculativeEngine(target, attention="triton", attention_block_n=48)
     with pytest.raises(ValueError, match="attention_split_n=-1: keys per split"):
         SpeculativeEngine(target, attention="triton", attention_split_n=-1)
+    with pytest.raises(ValueError, match="attention_block_m=24: a power of two >= 16"):
+        SpeculativeEngine(target, attention="triton", attention_block_m=24)
     with pytest.raises(ValueError, match="attention_min_rows=0: at least 1"):
         SpeculativeEngine(target, attention="triton", attention_min_rows=0)
 
@@ -292,6 +294,8 @@ def test_auto_attention_takes_the_kernel_for_half_precision_cuda_targets(monkeyp
     assert engine_mod.SpeculativeEngine(target).attention == "sdpa"  # fp32
     auto = engine_mod.SpeculativeEngine(target.to(torch.bfloat16))
     assert auto.attention == "triton" and auto.attention_settings["min_rows"] == 2  # one-row steps on SDPA
+    # the settings measured fastest at a tree round's 47 rows (h200-2026-12-04d)
+    assert {k: auto.attention_settings[k] for k in ("mode", "block_m")} == {"mode": "dense", "block_m": 16}
     named = engine_mod.SpeculativeEngine(target, attention="triton")
     assert named.attention_settings["min_rows"] == 1  # the kernel wherever it applies
     assert engine_mod.SpeculativeEngine(target, attention="sdpa").attention == "sdpa"  # asked for by name

@@ -38,7 +38,7 @@ from .triton_attention import check_inputs, masked_gqa_attention
 ATTENTION = "carryover_sdpa_gqa"
 TRITON_ATTENTION = "carryover_triton_gqa"
 # the Triton kernel's settings during a decoding call (`engine_attention`); torch.compile guards on them
-TRITON_SETTINGS = {"mode": "scan", "block_n": 128, "num_warps": 4, "split_n": 256, "min_rows": 1}
+TRITON_SETTINGS = {"mode": "dense", "block_n": 128, "num_warps": 4, "split_n": 256, "block_m": 16, "min_rows": 1}
 # keyword arguments that change what attention computes; a call carrying any of them is left to transformers
 _NOT_HANDLED = ("softcap", "position_bias", "s_aux", "sinks")
 
@@ -68,7 +68,7 @@ def triton_gqa_attention(module, query, key, value, attention_mask, dropout=0.0,
                                   is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return masked_gqa_attention(query, key, value, attention_mask, scale, st["mode"], st["block_n"],
-                                st["num_warps"], st["split_n"]), None
+                                st["num_warps"], st["split_n"], block_m=st.get("block_m", 0)), None
 
 
 for _name, _fn in ((ATTENTION, gqa_sdpa_attention), (TRITON_ATTENTION, triton_gqa_attention)):
@@ -93,7 +93,7 @@ class DrafterKernel:
     cache with the carry and block keys (as SDPA's path does), and the kernel's scan reads the mask of all of it."""
 
     def __init__(self, settings: dict):
-        self.settings = settings  # the engine's kernel settings (mode, block_n, num_warps, split_n)
+        self.settings = settings  # the engine's kernel settings (mode, block_n, num_warps, split_n, block_m)
 
     def __call__(self, q, k_pieces, v_pieces, mask, key_bias):
         st = self.settings
@@ -110,7 +110,7 @@ class DrafterKernel:
             lo = start - first if start >= first else start + k.shape[2] - first
             hi = lo + n
         return masked_gqa_attention(q, k, v, mask, q.shape[-1] ** -0.5, st["mode"], st["block_n"], st["num_warps"],
-                                    st["split_n"], bias, lo, hi)
+                                    st["split_n"], bias, lo, hi, block_m=st.get("block_m", 0))
 
 
 def drafter_kernel(drafter, how: str, attention: str, settings: dict) -> DrafterKernel | None:

@@ -107,8 +107,9 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
     def __init__(self, target, drafter=None, max_len: int = 2048, profile: bool = False, cuda_graphs: bool = False,
                  compile: bool | str = False, lookup_skips_drafter: bool = True, compile_options: dict | None = None,
                  lookup_siblings: bool = True, lookup_confidence: float | None = None, lookup_min_ngram: int = 3,
-                 attention: str = "auto", attention_mode: str = "scan", attention_block_n: int = 128,
+                 attention: str = "auto", attention_mode: str = "dense", attention_block_n: int = 128,
                  attention_warps: int = 4, attention_split_n: int = 256, attention_min_rows: int | None = None,
+                 attention_block_m: int = 16,
                  run_ahead: bool = True, tree_topk: str = "torch", drafter_attention: str = "sdpa"):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
@@ -164,12 +165,18 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
 
         attention="triton": the target's attention in rounds and row prefills runs through
         `triton_attention.masked_gqa_attention`, which reads only the cached keys some query row sees, instead of
-        SDPA over the whole `max_len` cache ("sdpa", `attention.py`). Its settings: `attention_mode` ("scan": find
-        the last seen key first; "skip": walk the whole cache; both skip key blocks nobody sees), `attention_block_n`
-        (keys per block), `attention_warps` and `attention_split_n` (keys per split: the keys in use are cut into parts
-        of that many, each walked by its own program at the same time, and the last to finish folds their results
-        together; 0: one program walks them all). It needs Triton and a CUDA target (the CPU tests run it in
-        Triton's interpreter).
+        SDPA over the whole `max_len` cache ("sdpa", `attention.py`). Its settings: `attention_mode` ("dense": find
+        the last seen key first, then fold in every key block up to it; "scan": the same, but a block nobody sees is
+        skipped, its K/V loads waiting on its mask's; "skip": walk the whole cache, skipping such blocks),
+        `attention_block_n` (keys per block), `attention_warps`, `attention_split_n` (keys per split: the keys in use
+        are cut into parts of that many, each walked by its own program at the same time, and the last to finish folds
+        their results together; 0: one program walks them all) and `attention_block_m` ((query row, head) pairs a
+        program; 0: all of a K/V head's, up to 64). It needs Triton and a CUDA target (the CPU tests run it in
+        Triton's interpreter). The defaults ("dense", 16 pairs a program) were the fastest of 14 settings at 47 query
+        rows on the H200 (`trainer/gpu_attention_bench.py`, `examples/results/h200-2026-12-04d`): 5.0 / 7.3 us a layer
+        with 150 / 400 keys in use, against 8.6 / 12.2 for the previous ("scan", all 141 pairs of a K/V head in one
+        program of 64) and 14.2 for SDPA; the kernel is latency-bound here, so more, smaller programs and loads that
+        do not wait on a branch pay.
         "auto" (the default) takes "triton" for a bf16 or fp16 target on CUDA when Triton is installed, else "sdpa". On
         the H200 (bf16, batch 1, the kernel for every call) a 31-node tree + lookup round took 1.77 instead of 2.02 ms
         and a plain step 1.05 instead of 1.08 ms (`examples/results/h200-2026-12-03b`). In fp32 the kernel is exact (no
@@ -213,10 +220,10 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         min_rows = int(attention_min_rows) if attention_min_rows is not None else (2 if auto else 1)
         self.attention_settings = {"mode": attention_mode, "block_n": int(attention_block_n),
                                    "num_warps": int(attention_warps), "split_n": int(attention_split_n),
-                                   "min_rows": min_rows}
+                                   "block_m": int(attention_block_m), "min_rows": min_rows}
         if attention == "triton":
             why = (check_triton_settings(attention_mode, self.attention_settings["block_n"], "attention_",
-                                         self.attention_settings["split_n"])
+                                         self.attention_settings["split_n"], self.attention_settings["block_m"])
                    or triton_available(target.device))
             if why:
                 raise ValueError(f"attention='triton': {why}")
