@@ -140,6 +140,12 @@ def test_engine_with_triton_attention_decodes_plain_greedy_text():
             tree = SpeculativeEngine(target, drafter, max_len=128, attention="triton", attention_mode="skip")
             res[arch + "_tree"] = tree.generate(prompts, max_new_tokens=14, tree=WIDE, prompt_lookup_num_tokens=3,
                                                 tree_nodes=5) == refs
+            # the defaults ("dense", 16 row-head pairs a program) with 16-key blocks in parts of 32: several programs
+            # per K/V head, several parts, and blocks folded without the per-block branch
+            dense = SpeculativeEngine(target, drafter, max_len=128, attention="triton", attention_block_n=16,
+                                      attention_split_n=32)
+            res[arch + "_tree_dense"] = dense.generate(prompts, max_new_tokens=14, tree=WIDE,
+                                                       prompt_lookup_num_tokens=3, tree_nodes=5) == refs
         # plain decoding steps are one query row: attention_min_rows=2 ("auto"'s) sends them to SDPA, the prefill
         # (several rows) still runs the kernel; min_rows=1 runs the steps on the kernel too
         target = build_target("qwen3", num_layers=2)
@@ -163,9 +169,9 @@ def test_engine_with_triton_attention_decodes_plain_greedy_text():
         res["restored"] = target.config._attn_implementation
         print(json.dumps(res))
     """)
-    assert out["qwen3_linear"] and out["qwen3_tree"] and out["compiled_tree"], out
+    assert out["qwen3_linear"] and out["qwen3_tree"] and out["qwen3_tree_dense"] and out["compiled_tree"], out
     assert out["qwen3_calls"] > 0  # the kernel ran (the prefill and every round, 2 layers each)
-    assert out["llama_linear"] and out["llama_tree"] and out["llama_calls"] == 0, out  # head dim 8: SDPA
+    assert out["llama_linear"] and out["llama_tree"] and out["llama_tree_dense"] and out["llama_calls"] == 0, out
     assert out["sampled"], out
     assert out["ar_min_rows1"] and out["ar_min_rows2"], out
     assert 1 in out["ar_min_rows1_query_rows"] and len(out["ar_min_rows1_query_rows"]) > 1, out

@@ -37,6 +37,10 @@ streams) would share them, so decode on one stream per device, as the engine doe
 
 On the H200 (bf16, 200 committed keys of 640) `scan` with 128-key blocks and 4 warps was the fastest setting tried:
 5.7 / 8.3 us a layer at 1 / 47 query rows against SDPA's 6.6 / 14.0 (`h200-2026-12-03b`; `skip` 9.9 / 10.9).
+Later, with 256-key parts and 150 / 400 keys in use (`h200-2026-12-04d`, 14 settings): at 47 rows `dense` with 16
+(query row, head) pairs a program (`block_m=16`) took 4.97 / 7.29 us against 8.55 / 12.19 for `scan` with all 141
+pairs of a K/V head in programs of 64 (SDPA 14.2): more, smaller programs and loads that wait on no branch. At one row
+`dense` took 4.88 / 6.97 (SDPA 6.60 / 6.56).
 
 A row that sees no key gets zeros (SDPA gives NaN there); the engine never reads such a row. In float32 the
 products are exact IEEE products (no TF32), so fp32 greedy decoding can be checked against plain decoding; they are
