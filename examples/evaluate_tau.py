@@ -223,13 +223,20 @@ def environment():
 
     # HF_CARRYOVER_COMMIT first: the GPU machine's copy of the tree can carry a stale .git (on 2026-11-29 its
     # `git rev-parse HEAD` named an older commit than the code that ran)
+    # Without it, a tree whose tracked files differ from HEAD is recorded as "<HEAD>-dirty": the numbers then come from
+    # code that no commit holds (on 2026-12-04 a bench run straight on the GPU machine recorded the stale HEAD as if
+    # it were the code that ran)
     commit = os.environ.get("HF_CARRYOVER_COMMIT")
     if not commit:
         try:
             commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+            if commit and len(commit) == 40 and subprocess.run(
+                    ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                    text=True).stdout.strip():
+                commit += "-dirty"
         except OSError:
             commit = None
-        if not commit or len(commit) != 40:  # a copied tree without history prints "HEAD"
+        if not commit or len(commit) not in (40, 46):  # a copied tree without history prints "HEAD"
             commit = None
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
     return {"commit": commit, "gpu": gpu, "torch": torch.__version__,

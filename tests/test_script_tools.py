@@ -440,3 +440,29 @@ def test_compare_trees_counts_shared_nodes_and_bounds_the_other_tree(tmp_path, c
           "--out", str(tmp_path / "c.json")])
     assert "| 3 | 2 | 2.1000 | 1.8000 | 1 |" in capsys.readouterr().out
     assert json.loads((tmp_path / "c.json").read_text())["rows"]["4"]["shared"] == 2
+
+
+def test_environment_marks_a_tree_that_differs_from_its_commit(tmp_path, monkeypatch):
+    """Results record the commit they were measured at; a tree with tracked changes is not that commit, so its
+    commit reads "<HEAD>-dirty" (a copy whose .git is stale, as on the GPU machine, shows up the same way), and
+    HF_CARRYOVER_COMMIT (what the device pipeline sets) wins over git."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from evaluate_tau import environment
+
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    (tmp_path / "code.py").write_text("x = 1\n")
+    for cmd in (["init", "-q"], ["add", "code.py"], ["commit", "-qm", "one"]):
+        subprocess.run(git + cmd, cwd=tmp_path, check=True, capture_output=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HF_CARRYOVER_COMMIT", raising=False)
+    (tmp_path / "notes.txt").write_text("untracked files do not count\n")
+    assert environment()["commit"] == head
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert environment()["commit"] == head + "-dirty"
+    monkeypatch.setenv("HF_CARRYOVER_COMMIT", "f" * 40)
+    assert environment()["commit"] == "f" * 40
+    monkeypatch.delenv("HF_CARRYOVER_COMMIT")
+    monkeypatch.chdir(tmp_path.parent)  # no repository: no commit
+    if subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True).returncode != 0:
+        assert environment()["commit"] is None
