@@ -466,3 +466,35 @@ def test_environment_marks_a_tree_that_differs_from_its_commit(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path.parent)  # no repository: no commit
     if subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True).returncode != 0:
         assert environment()["commit"] is None
+
+
+def test_round_cost_splits_a_speed_ratio_into_tau_and_round_cost(tmp_path):
+    """examples/round_cost.py: ms a verification = seconds / (tokens / τ) (a step for plain decoding), and a pair's
+    speed ratio is exactly its τ factor times its round factor; method names holding ':' parse as pairs."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import round_cost
+
+    rows = [{"method": "engine_ar@1", "dataset": "d", "tokens": 1000, "seconds": 1.0, "tok_per_s": 1000.0, "tau": None},
+            {"method": "engine_tree_lookup31:new@1", "dataset": "d", "tokens": 900, "seconds": 0.4, "tok_per_s": 2250.0,
+             "tau": 3.6},
+            {"method": "engine_tree_lookup31:old@1", "dataset": "d", "tokens": 1000, "seconds": 0.56,
+             "tok_per_s": 1000 / 0.56, "tau": 3.2},
+            {"method": "engine_tree_lookup31:old@1", "dataset": "e", "error": "OOM"}]
+    raw = tmp_path / "bench_raw.jsonl"
+    raw.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    loaded = round_cost.load_rows([raw])
+    assert len(loaded) == 3  # the failed row is skipped
+    new = loaded[1]
+    assert new["verifications"] == pytest.approx(250.0) and new["ms_per_verification"] == pytest.approx(1.6)
+    assert loaded[0]["ms_per_verification"] == pytest.approx(1.0)  # plain decoding: a step a token
+    split = round_cost.split_ratio(new, loaded[2])
+    assert split["speed"] == pytest.approx(split["tau"] * split["round"])
+    assert split["tau"] == pytest.approx(3.6 / 3.2) and split["round"] == pytest.approx(1.792 / 1.6)
+    pair = round_cost.parse_pair("engine_tree_lookup31:new@1:engine_tree_lookup31:old@1")
+    assert pair == ("engine_tree_lookup31:new@1", "engine_tree_lookup31:old@1")
+    with pytest.raises(ValueError, match="METHOD@B:METHOD@B"):
+        round_cost.parse_pair("engine_ar")
+    text = round_cost.main([str(raw), "--pair", "engine_tree_lookup31:new@1:engine_tree_lookup31:old@1",
+                            "--out", str(tmp_path / "t.md")])
+    assert "| 0 | d | engine_tree_lookup31:new@1 | engine_tree_lookup31:old@1 | 1.260 | 1.125 | 1.120 |" in text
+    assert (tmp_path / "t.md").read_text() == text

@@ -1,0 +1,98 @@
+"""What a round cost in stored benchmark rows, and how much of a speed ratio between two rows is round cost and how much
+τ: reads `bench_raw.jsonl` files (`examples/benchmark.py`), writes a Markdown table.
+
+Why: two speculative rows that decode different bf16 texts (another kernel setting, other weights, another machine
+start) differ in τ as well as in what a round costs, and only the second is the code's doing. A row's time per
+verification is seconds / (tokens / τ); for a plain decoding row (no τ) it is seconds / tokens, a step. Then, for a pair
+A:B of rows of one dataset, tok/s(A) / tok/s(B) = (τ_A / τ_B) × (round_B / round_A) exactly, and the table gives both
+factors. At batch b > 1 the figure is per row and round (the rows of a round share its time), so compare rows of one
+batch size.
+
+    python examples/round_cost.py examples/results/h200-2026-12-04d/engine_call4/bench_raw.jsonl \
+        --pair "engine_tree_lookup31:new@1:engine_tree_lookup31:scan@1"
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def load_rows(paths):
+    """Every row of the files, each with `file` (its index in `paths`) and `ms_per_verification`; a row that failed or
+    holds no tokens is skipped. Rows of several passes stay separate (their `pass` field)."""
+    rows = []
+    for i, path in enumerate(paths):
+        for line in Path(path).read_text().splitlines():
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            if r.get("error") or not r.get("tokens") or not r.get("seconds"):
+                continue
+            verifications = r["tokens"] / r["tau"] if r.get("tau") else r["tokens"]
+            rows.append({**r, "file": i, "verifications": verifications,
+                         "ms_per_verification": 1000.0 * r["seconds"] / verifications})
+    return rows
+
+
+def split_ratio(a: dict, b: dict) -> dict:
+    """tok/s(a) / tok/s(b) as (τ factor) × (round factor); a plain decoding row counts τ = 1."""
+    tau_a, tau_b = a.get("tau") or 1.0, b.get("tau") or 1.0
+    return {"speed": a["tok_per_s"] / b["tok_per_s"], "tau": tau_a / tau_b,
+            "round": b["ms_per_verification"] / a["ms_per_verification"]}
+
+
+def table(rows, pairs=()) -> str:
+    lines = ["| file | dataset | method | pass | tokens | τ | verifications | ms each | tok/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tau = f"{r['tau']:.3f}" if r.get("tau") else "–"
+        lines.append(f"| {r['file']} | {r['dataset']} | {r['method']} | {r.get('pass', '–')} | {r['tokens']} | {tau} | "
+                     f"{r['verifications']:.1f} | {r['ms_per_verification']:.4f} | {r['tok_per_s']:.1f} |")
+    if pairs:
+        lines += ["", "| file | dataset | A | B | tok/s A / B | = τ factor | × round factor |",
+                  "|---|---|---|---|---|---|---|"]
+        for a_name, b_name in pairs:
+            for ds in dict.fromkeys(r["dataset"] for r in rows):
+                for key in sorted({(r["file"], r.get("pass")) for r in rows}):
+                    a = next((r for r in rows if (r["file"], r.get("pass")) == key and r["dataset"] == ds
+                              and r["method"] == a_name), None)
+                    b = next((r for r in rows if (r["file"], r.get("pass")) == key and r["dataset"] == ds
+                              and r["method"] == b_name), None)
+                    if a and b:
+                        s = split_ratio(a, b)
+                        lines.append(f"| {key[0]} | {ds} | {a_name} | {b_name} | {s['speed']:.3f} | {s['tau']:.3f} | "
+                                     f"{s['round']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_pair(text: str):
+    """"A:B" with method names that themselves hold ':' ("engine_tree_lookup31:new@1") -> (A, B): the split is at the
+    ':' after the first '@<batch>'."""
+    at = text.find("@")
+    cut = text.find(":", at) if at >= 0 else text.find(":")
+    if at < 0 or cut < 0:
+        raise ValueError(f"--pair {text!r}: 'METHOD@B:METHOD@B', e.g. engine_tree_lookup31:new@1:engine_ar@1")
+    return text[:cut], text[cut + 1:]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("raw", nargs="+", help="bench_raw.jsonl files")
+    p.add_argument("--pair", action="append", default=[], help="A:B, two methods to split the speed ratio of, per "
+                   "dataset, file and pass (rows of one file only)")
+    p.add_argument("--out", help="also write the table here")
+    args = p.parse_args(argv)
+    try:
+        pairs = [parse_pair(x) for x in args.pair]
+    except ValueError as e:
+        p.error(str(e))
+    text = table(load_rows(args.raw), pairs)
+    sys.stdout.write(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
