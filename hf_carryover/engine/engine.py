@@ -186,9 +186,11 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         took 40.8 us against SDPA's 6.9; with 256-key parts 12.0 (`examples/results/h200-2026-12-03c`).
         `attention_min_rows`: calls with fewer query rows go to SDPA. "auto" sets 2, so plain decoding steps (one row)
         stay on SDPA, whose cost at one row hardly depends on the cache (6.6-6.9 us a layer for 200 to 1800 keys in
-        use), while the kernel's grows with the keys in use (6.0 us at 200, 8.1 at 400, 12.0 at 1800, 256-key parts).
-        For 47 rows (a tree round) the kernel was faster at every length measured (8.6 / 12.1 / 20.3 us against
-        SDPA's 14.1 / 14.1 / 34.2). attention="triton" sets 1 (the kernel for every call it takes). The choice costs
+        use), while the kernel's grows with the keys in use (6.0 us at 200, 8.1 at 400, 12.0 at 1800, 256-key parts;
+        with the "dense" defaults 4.9 at 150 and 7.0 at 400, `h200-2026-12-04d`, where the choice was not timed end to
+        end). For 47 rows (a tree round) the kernel was faster at every length measured (8.6 / 12.1 / 20.3 us against
+        SDPA's 14.1 / 14.1 / 34.2; the "dense" defaults 5.0 / 7.3 at 150 / 400 keys). attention="triton" sets 1 (the
+        kernel for every call it takes). The choice costs
         at short contexts: in a profile of 3 MT-Bench prompts a plain step's SDPA took 7.1 us a layer (0.214 ms a step,
         `examples/results/h200-2026-12-03d`), where the kernel had taken 0.184 ms a step on other prompts (12-03c).
         And SDPA at one row (cuDNN) is not run-to-run deterministic in bf16 on the H200: in 38 of 46 benchmark rows
