@@ -13,7 +13,8 @@ kernel. This script times the alternatives the engine could take, each compiled 
   * `flex`: `flex_attention` with `enable_gqa=True` and a mask_mod that reads the same boolean mask, one BlockMask
     over the whole cache made once (what a capture-safe flex attention function would do);
   * `window<W>`: `hf` over the first W keys only (what per-length graphs would read);
-  * `triton_<mode><BLOCK_N>[w<warps>][s<SPLIT_N>]`, e.g. `triton_scan64`, `triton_skip128w8`, `triton_scan128s256`:
+  * `triton_<mode><BLOCK_N>[w<warps>][s<SPLIT_N>][m<BLOCK_M>][p<STAGES>]`, e.g. `triton_scan64`, `triton_skip128w8`,
+    `triton_dense128s256m16`:
     the engine's Triton kernel (`hf_carryover/engine/triton_attention.py`, `SpeculativeEngine(attention="triton")`),
     which reads only the keys some query row sees; `s<SPLIT_N>`: the keys in use cut into parts of SPLIT_N walked
     at the same time (no `s`: one program walks them all, as before 2026-12-03c); `dense`: the scan's end, then every
