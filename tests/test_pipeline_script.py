@@ -58,3 +58,55 @@ def test_call_box_cuts_a_job_to_the_time_left_in_the_device_call(tmp_path):
     # every time box of the script goes through it
     boxes = re.findall(r"timeout (?:-k \d+ )?(\S+)", SCRIPT.read_text())
     assert len(boxes) >= 20 and all(b == "$(call_box" for b in boxes), boxes
+
+
+def _functions(*names) -> str:
+    """The script's own bash functions `names`, cut out of the file."""
+    text = SCRIPT.read_text()
+    return "\n".join(re.search(rf"^{n}\(\) \{{.*?^\}}", text, re.S | re.M).group(0) for n in names)
+
+
+def _bash(tmp_path, *lines):
+    harness = "\n".join(["set -euo pipefail", 'log() { echo "[log] $*"; }', _functions("pack_cache", "unpack_cache"),
+                         *lines])
+    return subprocess.run(["bash", "-c", harness], cwd=tmp_path, capture_output=True, text=True)
+
+
+def test_inductor_cache_travels_in_parts_and_unpacks_on_the_next_machine(tmp_path):
+    """pack_cache returns ~/assets/inductor as tar parts of PACK_PART_MB MiB in $OUT; carried back as .device/inductor,
+    unpack_cache restores the same files on a fresh machine; a cache over PACK_PARTS parts stays behind, and a
+    damaged part is logged without stopping the call."""
+    import os
+
+    old = tmp_path / "old"
+    files = {"inductor/fxgraph/ab/entry": os.urandom(1_500_000), "inductor/triton/k1/kernel.cubin": os.urandom(900_000),
+             "inductor/small.py": b"x = 1\n"}
+    for rel, data in files.items():
+        (old / rel).parent.mkdir(parents=True, exist_ok=True)
+        (old / rel).write_bytes(data)
+    out = tmp_path / "out"
+    out.mkdir()
+    r = _bash(tmp_path, f"A={old}", f"OUT={out}", "PACK_PART_MB=1", "pack_cache")
+    assert r.returncode == 0, r.stderr
+    parts = sorted(p.name for p in out.iterdir())
+    assert parts == ["inductor.tgz.part00", "inductor.tgz.part01", "inductor.tgz.part02"], parts  # 2.4 MB in 1 MiB
+    assert all(p.stat().st_size <= 1048576 for p in out.iterdir()) and "inductor cache returned" in r.stdout
+    assert not (old / ".inductor.tgz").exists()
+    # the next machine: the parts carried as .device/inductor, unpacked into its empty ~/assets
+    (tmp_path / ".device" / "inductor").mkdir(parents=True)
+    for p in out.iterdir():
+        (tmp_path / ".device" / "inductor" / p.name).write_bytes(p.read_bytes())
+    new = tmp_path / "new"
+    new.mkdir()
+    r = _bash(tmp_path, f"A={new}", "unpack_cache")
+    assert r.returncode == 0 and "stashed inductor cache" in r.stdout, r.stdout + r.stderr
+    assert all((new / rel).read_bytes() == data for rel, data in files.items())
+    # too large for PACK_PARTS: nothing returned, said so
+    r = _bash(tmp_path, f"A={old}", f"OUT={tmp_path / 'out2'}", "mkdir -p $OUT", "PACK_PART_MB=1", "PACK_PARTS=2",
+              "pack_cache", "ls $OUT | wc -l")
+    assert r.returncode == 0 and "not returned" in r.stdout and r.stdout.strip().endswith("0"), r.stdout
+    # a damaged part: logged, the call goes on
+    (tmp_path / ".device" / "inductor" / "inductor.tgz.part01").write_bytes(b"garbage")
+    r = _bash(tmp_path, f"A={tmp_path / 'new2'}", "mkdir -p $A", "unpack_cache", "echo went on")
+    assert r.returncode == 0 and "did not unpack" in r.stdout and "went on" in r.stdout, r.stdout + r.stderr
+    assert sorted(x.name for x in (tmp_path / "new2").iterdir()) == []  # no half-unpacked entry left behind

@@ -24,10 +24,12 @@
 #   vllmstash  stashes what the call carries for the vLLM phase; carry any of these, within 64 MiB a call:
 #           .vllm/bundle (56 MB, one call on its own; installed into ~/assets/vllm_site), .vllm/drafters/NAME (our
 #           HF drafter folders, ~25 MB each in bf16, e.g. runs/h200v2/pack/dflash-baseline), .device/p1 and
-#           assets/prompts (a fresh machine's GGUF half and prompts). Make the bundle on a networked machine with
+#           assets/prompts (a fresh machine's GGUF half and prompts), .device/inductor (an inductor cache an engine
+#           phase returned as inductor.tgz.part*: `mkdir -p .device/inductor && cp <files_at>/inductor.tgz.part*
+#           .device/inductor/`). Make the bundle on a networked machine with
 #           `bash ../shared/tools/make_vllm_bundle.sh .vllm/bundle`; /.vllm/ is git-ignored.
 #   engine  benchmark rows (engine, HF) and the fp32 compile check on both GPUs without vLLM: E0, E1 are each
-#           GPU's jobs in order (see the phase)
+#           GPU's jobs in order (see the phase); returns the machine's inductor cache as tar parts (pack_cache)
 #   vllm    vLLM 0.26 against our engine on the same prompts, target weights and settings (GPU 0: examples/bench_vllm.py,
 #           GPU 1 or after it: benchmark.py engine rows), both appending to results/vllm/bench/bench_raw.jsonl. Needs
 #           vllmstash's install and the converted target (train1), or .device/p2 + .whl carried to convert it here.
@@ -98,6 +100,11 @@ mkdir -p "$A" "$OUT"
 export HF_CARRYOVER_CACHE=$A/cache HF_CARRYOVER_OFFLINE=1 HF_CARRYOVER_SMOLLM2_GGUF=$A/smollm2.gguf
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export HF_CARRYOVER_COMMIT=$(cat .device/commit 2>/dev/null || echo unknown)
+# inductor's and Triton's on-disk caches under ~/assets: a cache packed by an earlier machine's engine phase
+# (pack_cache, returned as inductor.tgz.part*) and carried back as .device/inductor (vllmstash unpacks it) serves this
+# machine's compiles. Why: compiling an engine on a fresh machine took 114-236 s a row (12-04c/d), from a warm cache
+# 63-69 s, and a session's 30 device-minutes spend most of their time compiling
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$A/inductor} TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$A/inductor/triton}
 TYPES=(${TYPES:-dflash markov})  # two types: GPU i trains TYPES[i]; one type: stage 1 on both GPUs (DDP), then
                                   # its baseline on GPU 0 and its Carryover continuation on GPU 1
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); [ "${NGPU:-0}" -ge 1 ] || NGPU=1
@@ -126,6 +133,33 @@ call_box() {  # call_box SECONDS: that time box, cut to what is left of the devi
     log "time box $1 s cut to $left s (CALL_SECONDS=${CALL_SECONDS:-600}, $SECONDS s gone)" >&2
     echo $(( left > 1 ? left : 1 ))
   else echo "$1"; fi
+}
+pack_cache() {  # pack_cache: ~/assets/inductor as gzip tar parts of PACK_PART_MB (15) MiB into $OUT/inductor.tgz.part*,
+  # at most PACK_PARTS (4) of them (a larger cache stays behind, logged); PACK_CACHE=0: off. Carry the parts back as
+  # .device/inductor (with a drafter folder while they stay under ~38 MB, else in a vllmstash call of their own)
+  [ "${PACK_CACHE:-1}" = 1 ] && [ -d "$A/inductor" ] || return 0
+  local part=${PACK_PART_MB:-15} max=${PACK_PARTS:-4}
+  tar czf "$A/.inductor.tgz" -C "$A" inductor || { rm -f "$A/.inductor.tgz"; return 0; }
+  local size; size=$(stat -c %s "$A/.inductor.tgz")
+  if [ "$size" -gt $(( part * max * 1048576 )) ]; then
+    log "inductor cache: $(( size / 1048576 )) MiB packed, over $max parts of $part MiB: not returned"
+  else
+    rm -f "$OUT"/inductor.tgz.part*
+    split -b ${part}m -d "$A/.inductor.tgz" "$OUT/inductor.tgz.part" \
+      && log "inductor cache returned: $(( size / 1048576 )) MiB in $(ls "$OUT"/inductor.tgz.part* | wc -l) part(s)"
+  fi
+  rm -f "$A/.inductor.tgz"
+}
+unpack_cache() {  # unpack_cache: a carried .device/inductor/inductor.tgz.part* into ~/assets/inductor (merged with
+  # what this machine compiled already). Unpacked aside first, so that a damaged archive leaves no half-written entry
+  # for inductor to load: it is logged and left out
+  ls .device/inductor/inductor.tgz.part* >/dev/null 2>&1 || return 0
+  local tmp="$A/.inductor_unpack"; rm -rf "$tmp"; mkdir -p "$tmp"
+  if cat .device/inductor/inductor.tgz.part* | tar xzf - -C "$tmp" 2>/dev/null && [ -d "$tmp/inductor" ]; then
+    mkdir -p "$A/inductor" && cp -a "$tmp/inductor/." "$A/inductor/" \
+      && log "stashed inductor cache ($(du -sm "$A/inductor" | cut -f1) MiB)"
+  else log "inductor cache: the carried parts did not unpack; left out"; fi
+  rm -rf "$tmp"
 }
 pin() {  # pin GPU: the command prefix that keeps a GPU's job on its own half of the cores (ENGINE_PIN=0: off). The
   # batch-1 engine is launch-bound, so a job compiling on all cores beside it slows it: the likely cause of the
@@ -526,6 +560,7 @@ vllmstash)
     cp hf_carryover/{modeling_drafter,configuration_drafter,generation_carryover}.py "$d"; done
   [ -f .device/p1/part00 ] && cp .device/p1/part00 "$A/" && log "stashed GGUF part 1"
   [ -d assets/prompts ] && rm -rf "$A/prompts" && cp -r assets/prompts "$A/prompts" && log "stashed prompts"
+  unpack_cache
   (nvidia-smi -L || echo "no nvidia-smi") > "$R/gpu.txt"
   ;;
 vllm)
@@ -669,10 +704,13 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
     local g=$1 i=0; IFS=';' read -ra J <<< "$2"
     for j in "${J[@]}"; do j=$(sed 's/^ *//; s/ *$//' <<< "$j"); [ -n "$j" ] && ejob $g $i "$j"; i=$((i+1)); done
   }
+  # one job list (E1 empty): nothing runs beside it, so it keeps every core (its compiles too) unless ENGINE_PIN=1
+  [ -n "${E1:-}" ] || ENGINE_PIN=${ENGINE_PIN:-0}
   gjobs 0 "${E0:-}" & gjobs 1 "${E1:-}"; wait
   cat $R/${stamp}_gpu*_*/bench_raw.jsonl > $R/bench_raw_$stamp.jsonl 2>/dev/null || true
   python3 examples/results_tables.py --bench $R/bench_raw_$stamp.jsonl > $R/bench_table_$stamp.md 2>&1 || true
   cat $R/bench_table_$stamp.md
+  if [ $(( ${CALL_SECONDS:-600} - SECONDS )) -gt 30 ]; then pack_cache; else log "inductor cache not packed: the call's time is up"; fi
   ;;
 tree)  # draft trees (hf_carryover/engine/tree.py) for the stashed drafters TREE_DRAFTERS (vllmstash's .vllm/drafters;
   # default the shipped pair). TREE_STEPS, in order (default "calib tau speed"), each flushed to $OUT when done:
