@@ -207,8 +207,10 @@ def test_drafter_attention_on_the_kernel_equals_sdpa():
             ref = F.scaled_dot_product_attention(Q.double(), K.double(), V.double(), attn_mask=add.double(),
                                                  enable_gqa=True).transpose(1, 2)
             for split in (0, 32):
-                o = masked_gqa_attention(Q, K, V, mask, 16 ** -0.5, "scan", 16, 4, split, bias, lo, hi)
-                res[f"bias{lo}_{hi}s{split}"] = (o.double() - ref).abs().max().item()
+                for mode, bm in (("scan", 0), ("dense", 16)):  # the previous defaults and the engine's now
+                    o = masked_gqa_attention(Q, K, V, mask, 16 ** -0.5, mode, 16, 4, split, bias, lo, hi, block_m=bm)
+                    res[f"bias{lo}_{hi}s{split}" + ("" if mode == "scan" else "dense")] = (
+                        (o.double() - ref).abs().max().item())
 
         target = build_target("qwen3", num_layers=2)  # two layers: see test_engine_with_triton_attention_...
         drafter = build_drafter(target, "dflash", True, carryover_gate=-1.5, target_layer_ids=[0])
@@ -258,6 +260,7 @@ def test_drafter_attention_on_the_kernel_equals_sdpa():
     """)
     for name in ("bias0_0", "bias10_25", "bias80_90", "bias0_90"):
         assert out[name + "s0"] < 2e-6 and out[name + "s32"] < 2e-6, out
+        assert out[name + "s0dense"] < 2e-6 and out[name + "s32dense"] < 2e-6, out
     assert out["drafter"] < 2e-5, out
     k = out["drafter_calls"][0][1]
     assert len(out["drafter_calls"]) == 2 and all(c == [0, k] for c in out["drafter_calls"]) and k > 0, out
