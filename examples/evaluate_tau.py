@@ -230,13 +230,12 @@ def environment():
     if not commit:
         try:
             commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-            if commit and len(commit) == 40 and subprocess.run(
-                    ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                    text=True).stdout.strip():
+            if len(commit) != 40:  # a copied tree without history prints "HEAD"
+                commit = None
+            elif subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True).stdout.strip():
                 commit += "-dirty"
         except OSError:
-            commit = None
-        if not commit or len(commit) not in (40, 46):  # a copied tree without history prints "HEAD"
             commit = None
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
     return {"commit": commit, "gpu": gpu, "torch": torch.__version__,

