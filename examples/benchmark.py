@@ -11,6 +11,8 @@ Methods (each skipped with a recorded reason when it cannot run here):
   hf_own_dflash:<name> generate(assistant_model=drafter, speculation_type="dflash"): transformers' own DFlash
                       loop driving our drafter (DFlash drafters with a target-row mask; no Carryover there)
   engine_ar           hf_carryover.engine without a drafter (static caches; eager, or CUDA graphs with --cuda_graphs)
+  engine_ar:<tag>     (--ar_variant TAG KEY=VALUE...) the same with its own engine options, e.g. plain steps on the
+                      Triton kernel (attention_min_rows=1)
   engine:<name>       hf_carryover.engine with the drafter, at every --batch_sizes value (throughput; static
                       batches of b prompts; with --batching continuous, b rows refilled as they finish: @<b>c)
   engine_lookup:<name> (--lookup N) the engine with the drafter and context lookup of up to N tokens; a round in
@@ -189,6 +191,20 @@ def parse_inductor_options(pairs) -> dict:
     return _parse_pairs(pairs, "inductor option", "freezing=True", text_ok=False)
 
 
+def parse_ar_variants(groups) -> dict:
+    """[["kernel", "attention_min_rows=1"], ...] (--ar_variant) -> {"kernel": {"attention_min_rows": 1}}: engine AR
+    rows with their own engine options, so plain decoding on two settings is timed side by side in one call."""
+    variants = {}
+    for tag, *pairs in groups:
+        if "=" in tag or ":" in tag or "@" in tag or not pairs:
+            raise SystemExit(f"--ar_variant {' '.join([tag, *pairs])!r}: expected TAG KEY=VALUE..., e.g. "
+                             "kernel attention_min_rows=1")
+        if tag in variants:
+            raise SystemExit(f"--ar_variant {tag!r} given twice")
+        variants[tag] = parse_engine_options(pairs)
+    return variants
+
+
 def parse_engine_options(pairs) -> dict:
     """["attention=triton", "attention_block_n=128"] -> {"attention": "triton", "attention_block_n": 128}: Python
     literals where a value is one, else the text; a pair without "=" is refused by name."""
@@ -307,12 +323,16 @@ def main():
     p.add_argument("--engine_options", nargs="+", default=[], metavar="KEY=VALUE",
                    help="SpeculativeEngine arguments for every engine row, AR included (e.g. attention=triton "
                    "attention_block_n=128); a drafter spec's own engine keys win; recorded as engine_options")
+    p.add_argument("--ar_variant", nargs="+", action="append", default=[], metavar=("TAG", "KEY=VALUE"),
+                   help="an engine AR row with its own engine options beside engine_ar, named engine_ar:TAG@b, e.g. "
+                   "--ar_variant kernel attention_min_rows=1 (plain steps on the Triton kernel; repeatable)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if args.passes < 1:
         p.error(f"--passes must be at least 1, not {args.passes}")
     compile_options = parse_inductor_options(args.inductor)
     engine_options = parse_engine_options(args.engine_options)
+    ar_variants = parse_ar_variants(args.ar_variant)
     if compile_options and not args.compile:
         p.error("--inductor sets options of the compiled rounds: it needs --compile")
 
@@ -345,7 +365,7 @@ def main():
                 trees[n] = TreeSpec.load(path)
     tree_sizes = [None if n == "all" else int(n) for n in args.tree_nodes]
 
-    def engine_for(name, d, tree=False):  # built on first use, then shared by every dataset and batch size
+    def engine_for(name, d, tree=False, options=None):  # built on first use, shared by every dataset and batch size
         # tree rows get an engine of their own: their caches need room for the largest tree asked for ("all": the
         # whole tree; a round writes its verified rows), and on the H200 linear rounds read 8-18 % slower with
         # those longer caches (examples/results/h200-2026-12-01f), so the linear rows keep the length they need
@@ -354,7 +374,8 @@ def main():
             k = d.config.block_size if d is not None else (args.lookup or 0) + 1
             extra = max(m or trees[name].num_nodes for m in tree_sizes) if tree else 0
             engines[key] = make_engine(target, d, longest + args.max_new_tokens + 2 * k + extra, args.profile,
-                                       args.cuda_graphs, args.compile, compile_options, engine_options)
+                                       args.cuda_graphs, args.compile, compile_options,
+                                       {**engine_options, **(options or {})})
         return engines[key]
 
     T = args.temperature
@@ -370,6 +391,9 @@ def main():
 
     # fastest first: when a time box cuts the run, the engine rows and the HF baselines exist already
     methods = [(f"engine_ar{at(b)}", lambda pr, b=b: eng(None, None, pr, b)) for b in batches]
+    methods += [(f"engine_ar:{tag}{at(b)}", lambda pr, tag=tag, o=o, b=b: run_engine(
+                    engine_for(f"ar:{tag}", None, options=o), pr, args.max_new_tokens, b[0], eos, T, continuous=b[1]))
+                for tag, o in ar_variants.items() for b in batches]
     methods += [(f"engine:{n}{at(b)}", lambda pr, n=n, d=d, b=b: eng(n, d, pr, b))
                 for n, d in drafters.items() for b in batches]
     if args.lookup:

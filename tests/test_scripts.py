@@ -174,6 +174,33 @@ def test_benchmark_continuous_rows(tmp_path, monkeypatch, capsys):
         assert line.endswith(f"| {by[m]['tok_per_s'] / by['engine_ar@' + m.split('@')[1]]['tok_per_s']:.2f} | – |")
 
 
+def test_benchmark_ar_variants_run_beside_engine_ar(tmp_path, monkeypatch, capsys):
+    """--ar_variant TAG KEY=VALUE adds engine_ar:TAG rows on an engine of their own options (plain decoding on two
+    settings in one call): same greedy tokens as engine_ar, the options recorded in the variant's row only; a
+    malformed or repeated variant is refused by name."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from benchmark import parse_ar_variants
+
+    assert parse_ar_variants([["kernel", "attention_min_rows=1", "attention=triton"]]) == {
+        "kernel": {"attention_min_rows": 1, "attention": "triton"}}
+    for bad, why in (([["kernel"]], "expected TAG KEY=VALUE"), ([["a=1"]], "expected TAG KEY=VALUE"),
+                     ([["k", "x=1"], ["k", "y=2"]], "given twice")):
+        with pytest.raises(SystemExit, match=why):
+            parse_ar_variants(bad)
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "mtbench.jsonl").write_text("".join(json.dumps({"id": i, "input_ids": [3 + i, 7, 11]}) + "\n"
+                                                   for i in range(2)))
+    _in_process(monkeypatch, ROOT / "examples" / "benchmark.py", [
+        "--target", "tiny", "--datasets", "mtbench", "--prompts_dir", prompts, "--max_new_tokens", "7", "--methods",
+        "engine_ar", "--ar_variant", "blocking", "run_ahead=False", "--out", tmp_path / "out"], tmp_path)
+    by = {r["method"]: r for r in json.loads((tmp_path / "out" / "bench.json").read_text())["results"]}
+    assert set(by) == {"engine_ar@1", "engine_ar:blocking@1"}
+    assert by["engine_ar:blocking@1"]["engine_options"] == {"run_ahead": False}
+    assert "engine_options" not in by["engine_ar@1"]
+    assert by["engine_ar:blocking@1"]["tokens"] == by["engine_ar@1"]["tokens"] == 14
+
+
 def test_benchmark_inductor_options_are_parsed_and_need_compile(tmp_path, monkeypatch, capsys):
     """--inductor KEY=VALUE reaches the engine as compile_options (Python literals, dotted keys kept); a pair that is
     no KEY=literal, or --inductor without --compile, is refused with the reason."""
