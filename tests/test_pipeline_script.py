@@ -105,6 +105,7 @@ def test_inductor_cache_travels_in_parts_and_unpacks_on_the_next_machine(tmp_pat
     r = _bash(tmp_path, f"A={old}", f"OUT={tmp_path / 'out2'}", "mkdir -p $OUT", "PACK_PART_MB=1", "PACK_PARTS=2",
               "pack_cache", "ls $OUT | wc -l")
     assert r.returncode == 0 and "not returned" in r.stdout and r.stdout.strip().endswith("0"), r.stdout
+    assert "by folder (MiB): fxgraph/ 2; fxgraph/ab/ 2; triton/ 1; triton/k1/ 1;" in r.stdout, r.stdout  # what filled it, largest first
     # a damaged part: logged, the call goes on
     (tmp_path / ".device" / "inductor" / "inductor.tgz.part01").write_bytes(b"garbage")
     r = _bash(tmp_path, f"A={tmp_path / 'new2'}", "mkdir -p $A", "unpack_cache", "echo went on")

@@ -114,7 +114,9 @@ def test_kernel_equals_sdpa_on_every_mask_the_engine_makes():
 def test_engine_with_triton_attention_decodes_plain_greedy_text():
     """Engines on the kernel (qwen3: head dim 16) against plain greedy decoding: linear rounds and prefills, tree +
     lookup rounds, and a compiled (aot_eager) tree round; a llama target with head dim 8 falls back to SDPA and stays
-    exact; sampled rounds draw the SDPA engine's tokens (fp32). Two-layer targets (drafters tap layer 0): every layer
+    exact; sampled rounds draw the SDPA engine's tokens (fp32). The drafter stays on SDPA but in the defaults' case
+    (`test_drafter_attention_on_the_kernel_equals_sdpa` checks it on the kernel): each interpreted drafter call costs
+    time, and the drafter cannot change the verified text. Two-layer targets (drafters tap layer 0): every layer
     calls the kernel alike, and each interpreted call costs about a second, so more layers would repeat the check."""
     out = _run("""
         from conftest import build_drafter, build_target
@@ -134,14 +136,15 @@ def test_engine_with_triton_attention_decodes_plain_greedy_text():
             drafter = build_drafter(target, "dflash", True, target_layer_ids=[0])
             calls.clear()
             lin = SpeculativeEngine(target, drafter, max_len=64, attention="triton", attention_block_n=16,
-                                    attention_split_n=16)  # 4 parts of 16 keys
+                                    attention_split_n=16, drafter_attention="sdpa")  # 4 parts of 16 keys
             res[arch + "_linear"] = lin.generate(prompts, max_new_tokens=14) == refs
             res[arch + "_calls"] = len(calls)
-            tree = SpeculativeEngine(target, drafter, max_len=128, attention="triton", attention_mode="skip")
+            tree = SpeculativeEngine(target, drafter, max_len=128, attention="triton", attention_mode="skip",
+                                     drafter_attention="sdpa")
             res[arch + "_tree"] = tree.generate(prompts, max_new_tokens=14, tree=WIDE, prompt_lookup_num_tokens=3,
                                                 tree_nodes=5) == refs
-            # the defaults ("dense", 16 row-head pairs a program) with 16-key blocks in parts of 32: several programs
-            # per K/V head, several parts, and blocks folded without the per-block branch
+            # the defaults ("dense", 16 row-head pairs a program, the drafter on the kernel too) with 16-key blocks in
+            # parts of 32: several programs per K/V head, several parts, and blocks folded without the per-block branch
             dense = SpeculativeEngine(target, drafter, max_len=128, attention="triton", attention_block_n=16,
                                       attention_split_n=32)
             res[arch + "_tree_dense"] = dense.generate(prompts, max_new_tokens=14, tree=WIDE,
@@ -160,11 +163,12 @@ def test_engine_with_triton_attention_decodes_plain_greedy_text():
         drafter = build_drafter(target, "dflash", True, target_layer_ids=[0])
         prompts = _prompts(1, (4, 9))
         refs = _greedy_refs(target, prompts, 12)
-        comp = SpeculativeEngine(target, drafter, max_len=128, attention="triton", compile="aot_eager")
+        comp = SpeculativeEngine(target, drafter, max_len=128, attention="triton", compile="aot_eager",
+                                 drafter_attention="sdpa")
         res["compiled_tree"] = comp.generate(prompts, max_new_tokens=12, tree=WIDE, tree_nodes=5) == refs
         kw = dict(max_new_tokens=12, do_sample=True, temperature=1.0, seed=3)
         sdpa = SpeculativeEngine(target, drafter, max_len=64).generate(prompts, **kw)
-        tri = SpeculativeEngine(target, drafter, max_len=64, attention="triton")
+        tri = SpeculativeEngine(target, drafter, max_len=64, attention="triton", drafter_attention="sdpa")
         res["sampled"] = tri.generate(prompts, **kw) == sdpa
         res["restored"] = target.config._attn_implementation
         print(json.dumps(res))
@@ -250,7 +254,16 @@ def test_drafter_attention_on_the_kernel_equals_sdpa():
             outs = [e.generate(prompts, max_new_tokens=12, **kw) for e in runs]
             res[name] = outs[0] == outs[1] and runs[0].rounds == runs[1].rounds
         res["modes"] = [runs[0].drafter_attention, SpeculativeEngine(target, drafter).drafter_attention,
-                        SpeculativeEngine(target, drafter, attention="triton").drafter_attention]
+                        SpeculativeEngine(target, drafter, attention="triton").drafter_attention,
+                        SpeculativeEngine(target, drafter, attention="triton", drafter_attention="sdpa").drafter_attention]
+        from hf_carryover.engine.attention import drafter_kernel  # remote code older than the hook: "auto" -> SDPA
+        hookless = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        res["modes"].append("sdpa" if drafter_kernel(hookless, "auto", "triton", {}) is None else "triton")
+        try:
+            drafter_kernel(hookless, "triton", "triton", {})
+            res["hookless_refused"] = None
+        except ValueError as e:
+            res["hookless_refused"] = str(e)
         try:
             SpeculativeEngine(target, drafter, drafter_attention="triton")
             res["refused"] = None
@@ -265,7 +278,10 @@ def test_drafter_attention_on_the_kernel_equals_sdpa():
     k = out["drafter_calls"][0][1]
     assert len(out["drafter_calls"]) == 2 and all(c == [0, k] for c in out["drafter_calls"]) and k > 0, out
     assert out["restored"] and out["linear"] and out["tree"], out
-    assert out["modes"] == ["triton", "sdpa", "sdpa"], out  # the kernel for the drafter only when asked for
+    # "auto" (the default): the kernel where the target's attention is on it (CPU: "auto" resolves to SDPA) and the
+    # drafter's code has the hook
+    assert out["modes"] == ["triton", "sdpa", "triton", "sdpa", "sdpa"], out
+    assert "has no attention `kernel` hook" in out["hookless_refused"], out
     assert "drafter_attention='triton' needs attention='triton'" in out["refused"], out
 
 

@@ -143,6 +143,8 @@ pack_cache() {  # pack_cache: ~/assets/inductor as gzip tar parts of PACK_PART_M
   local size; size=$(stat -c %s "$A/.inductor.tgz")
   if [ "$size" -gt $(( part * max * 1048576 )) ]; then
     log "inductor cache: $(( size / 1048576 )) MiB packed, over $max parts of $part MiB: not returned"
+    # what fills it (12-04e: 246-481 MiB packed after one to three engine calls), for choosing what to return
+    log "inductor cache by folder (MiB): $(cd "$A/inductor" && { du -sm -- */; du -sm -- */*/; } 2>/dev/null | sort -k1,1nr -k2,2 | head -8 | awk '{printf "%s %s; ", $2, $1}')"
   else
     rm -f "$OUT"/inductor.tgz.part*
     split -b ${part}m -d "$A/.inductor.tgz" "$OUT/inductor.tgz.part" \

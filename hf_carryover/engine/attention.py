@@ -115,15 +115,19 @@ class DrafterKernel:
 
 def drafter_kernel(drafter, how: str, attention: str, settings: dict) -> DrafterKernel | None:
     """The engine's `DrafterKernel` for `drafter_attention=how` ("sdpa": None), checked: the kernel needs the target
-    on it too (`attention`, as resolved) and a drafter whose code has the `kernel` hook."""
-    if how not in ("sdpa", "triton"):
-        raise ValueError(f"drafter_attention={how!r}: 'sdpa' or 'triton'.")
+    on it too (`attention`, as resolved) and a drafter whose code has the `kernel` hook. "auto" takes the kernel
+    where both hold and SDPA otherwise (an fp32 or CPU engine, remote code older than the hook)."""
+    if how not in ("auto", "sdpa", "triton"):
+        raise ValueError(f"drafter_attention={how!r}: 'auto', 'sdpa' or 'triton'.")
     if how == "sdpa" or drafter is None:
         return None
+    hooked = any(hasattr(m, "kernel") for m in drafter.modules())
+    if how == "auto":
+        return DrafterKernel(settings) if attention == "triton" and hooked else None
     if attention != "triton":
         raise ValueError("drafter_attention='triton' needs attention='triton' (or 'auto' taking it): "
                          f"this engine's attention is {attention!r}")
-    if not any(hasattr(m, "kernel") for m in drafter.modules()):
+    if not hooked:
         raise ValueError("drafter_attention='triton': this drafter's code has no attention `kernel` hook (remote "
                          "code older than hf_carryover's modeling_drafter.py); load it with this package's code")
     return DrafterKernel(settings)

@@ -27,7 +27,8 @@ Continuous batching (`generate(..., batch_size=b)`): more prompts than rows; the
 round's one read, and a finished row is read out and refilled with the next prompt (`refill.py`) between rounds.
 Beside this file: the linear round itself (`linear_round.py`), the static state a round works on (`state.py`),
 draft-tree rounds (`tree_round.py`, on `tree.py`'s pieces), phase timing for the latency model (`timing.py`),
-capture (`graphs.py`), the caches (`static_cache.py`) and the target's attention while decoding (`attention.py`).
+capture (`graphs.py`), torch.compile's settings (`compiling.py`), the caches (`static_cache.py`) and the target's
+attention while decoding (`attention.py`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch
 
 from ..generation_carryover import eos_tensor
 from .attention import TRITON_ATTENTION, check_attention, drafter_kernel, engine_attention, use_drafter_kernel
+from .compiling import check_inductor_options, compile_round
 from .triton_attention import available as triton_available
 from .triton_attention import check_settings as check_triton_settings
 from .fuse_projections import FuseSharedInputMatmuls
@@ -91,18 +93,6 @@ def _is_cuda(device) -> bool:
 MAX_LEN_ALIGN = 64
 
 
-def check_inductor_options(options: dict) -> None:
-    """Refuse a misspelt inductor option by name now, not at the first call's compile (minutes later, mid-call).
-    Shared by `SpeculativeEngine(compile_options=...)` and `Drafter.use_draft_tree(compile_options=...)`."""
-    import torch._inductor.config as inductor_config
-
-    try:
-        with inductor_config.patch(dict(options)):
-            pass
-    except AttributeError as e:
-        raise ValueError(f"compile_options: {e}") from None
-
-
 class SpeculativeEngine(LinearRounds, TreeRounds):
     def __init__(self, target, drafter=None, max_len: int = 2048, profile: bool = False, cuda_graphs: bool = False,
                  compile: bool | str = False, lookup_skips_drafter: bool = True, compile_options: dict | None = None,
@@ -110,7 +100,7 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
                  attention: str = "auto", attention_mode: str = "dense", attention_block_n: int = 128,
                  attention_warps: int = 4, attention_split_n: int = 256, attention_min_rows: int | None = None,
                  attention_block_m: int = 16,
-                 run_ahead: bool = True, tree_topk: str = "torch", drafter_attention: str = "sdpa"):
+                 run_ahead: bool = True, tree_topk: str = "torch", drafter_attention: str = "auto"):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -187,8 +177,9 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         `attention_min_rows`: calls with fewer query rows go to SDPA. "auto" sets 2, so plain decoding steps (one row)
         stay on SDPA, whose cost at one row hardly depends on the cache (6.6-6.9 us a layer for 200 to 1800 keys in
         use), while the kernel's grows with the keys in use (6.0 us at 200, 8.1 at 400, 12.0 at 1800, 256-key parts;
-        with the "dense" defaults 4.9 at 150 and 7.0 at 400, `h200-2026-12-04d`, where the choice was not timed end to
-        end). For 47 rows (a tree round) the kernel was faster at every length measured (8.6 / 12.1 / 20.3 us against
+        with the "dense" defaults 4.9 at 150 and 7.0 at 400, `h200-2026-12-04d`). End to end on 80 HumanEval / MT-Bench
+        prompts with 256 new tokens at most, plain steps on the kernel (attention_min_rows=1) ran 4.0 % / 5.0 % faster
+        (`h200-2026-12-04e`); kept on SDPA for the long contexts where its flat cost wins. For 47 rows (a tree round) the kernel was faster at every length measured (8.6 / 12.1 / 20.3 us against
         SDPA's 14.1 / 14.1 / 34.2; the "dense" defaults 5.0 / 7.3 at 150 / 400 keys). attention="triton" sets 1 (the
         kernel for every call it takes). The choice costs
         at short contexts: in a profile of 3 MT-Bench prompts a plain step's SDPA took 7.1 us a layer (0.214 ms a step,
@@ -204,8 +195,13 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         `self.last_launched` counts the last call's rounds launched.
 
         drafter_attention="triton" (with attention="triton"): the drafter's attention in rounds runs through the same
-        kernel, which reads only its keys in use (`attention.DrafterKernel`); "sdpa" (the default): SDPA over its whole
-        cache. Not faster on the H200: 2009.5 against 2024.2 tok/s (HumanEval, tree 31 + lookup, `h200-2026-12-03e`).
+        kernel, which reads only its keys in use (`attention.DrafterKernel`); "sdpa": SDPA over its whole cache;
+        "auto" (the default): the kernel where the target's attention is on it and the drafter's code has the hook,
+        else SDPA. With the scan-only kernel the drafter's calls were not faster on it (2009.5 against 2024.2 tok/s,
+        HumanEval, tree 31 + lookup, `h200-2026-12-03e`); with the "dense" defaults a tree 31 + lookup round cost
+        1.606 against 1.648 ms on 80 HumanEval prompts and 1.543 against 1.575 on 80 MT-Bench prompts (2.5 % / 2.0 %
+        cheaper, τ unchanged within the bf16 texts' spread; one machine start, `h200-2026-12-04e`). The drafter only
+        proposes, so its attention cannot change what the target accepts, only τ.
 
         tree_topk="ranked": dynamic trees pick their nodes without topk and sort launches (`tree.best_ids`); "torch"
         (the default): with them. The same nodes but for ties."""
@@ -532,32 +528,8 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         return self._prefills[key]
 
     def _compiled(self, fn):
-        # combo_kernels: inductor launches independent kernels (per layer, small RoPE, cache-write and attention-
-        # preparation kernels) as one. A captured plain decoding step of the 135M target went from 635 kernels and
-        # 1.69 ms to 412 and 1.35 ms on the H200 (examples/profile_engine.py, examples/results/h200-2026-12-02b); at
-        # batch 1 the step is launch-bound, so fewer kernels is most of the speed
-        if self._compile_backend != "inductor":
-            return torch.compile(fn, dynamic=False, backend=self._compile_backend)
-        combo = {"combo_kernels": True}
-        if not self.compile_options:
-            return torch.compile(fn, dynamic=False, backend="inductor", options=combo)
-        # with options, a backend of this engine's own. Dynamo keeps compiled code per code object (`_round` is
-        # shared by every engine) and reuses it for any backend that compares equal, as `torch.compile` backends with
-        # equal options do: a frozen round (its weights baked in) served later engines, other weights and other
-        # options alike (tested). The options patch inductor's global config around each call (the compile happens
-        # inside the first): passed as compile options, `freezing` neither packed nor merged weights (CPU, torch 2.13)
-        import torch._inductor.config as inductor_config
-        from torch._inductor.compile_fx import compile_fx
-
-        def backend(gm, example_inputs):
-            return compile_fx(gm, example_inputs, config_patches=combo)
-        compiled = torch.compile(fn, dynamic=False, backend=backend)
-
-        @functools.wraps(fn)
-        def run(*args, **kwargs):
-            with inductor_config.patch(self._inductor_patch):
-                return compiled(*args, **kwargs)
-        return run
+        """`fn` through torch.compile with this engine's backend and inductor options (`compiling.compile_round`)."""
+        return compile_round(fn, self._compile_backend, self.compile_options, self._inductor_patch)
 
     def _round_fn(self, do_sample, tree=None):
         """The compiled round where it applies (greedy or sampled; not when profiling: the clock's syncs would split
