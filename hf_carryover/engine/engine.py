@@ -49,6 +49,7 @@ from .fuse_projections import FuseSharedInputMatmuls
 from .graphs import capture_round, install_output_hooks, run_ahead
 from .linear_round import LinearRounds
 from .refill import RowPrefill
+from .rope_table import build_rope_tables, use_rope_tables
 from .sampling import inverse_cdf, point_mass, running_mass
 from .state import DecodeState
 from .static_cache import DrafterStaticCache, TargetStaticCache
@@ -100,7 +101,8 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
                  attention: str = "auto", attention_mode: str = "dense", attention_block_n: int = 128,
                  attention_warps: int = 4, attention_split_n: int = 256, attention_min_rows: int | None = None,
                  attention_block_m: int = 16,
-                 run_ahead: bool = True, tree_topk: str = "torch", drafter_attention: str = "auto"):
+                 run_ahead: bool = True, tree_topk: str = "torch", drafter_attention: str = "auto",
+                 rope_table: bool = False):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -179,11 +181,12 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         use), while the kernel's grows with the keys in use (6.0 us at 200, 8.1 at 400, 12.0 at 1800, 256-key parts;
         with the "dense" defaults 4.9 at 150 and 7.0 at 400, `h200-2026-12-04d`). End to end on 80 HumanEval / MT-Bench
         prompts with 256 new tokens at most, plain steps on the kernel (attention_min_rows=1) ran 4.0 % / 5.0 % faster
-        (`h200-2026-12-04e`); kept on SDPA for the long contexts where its flat cost wins. For 47 rows (a tree round) the kernel was faster at every length measured (8.6 / 12.1 / 20.3 us against
-        SDPA's 14.1 / 14.1 / 34.2; the "dense" defaults 5.0 / 7.3 at 150 / 400 keys). attention="triton" sets 1 (the
-        kernel for every call it takes). The choice costs
-        at short contexts: in a profile of 3 MT-Bench prompts a plain step's SDPA took 7.1 us a layer (0.214 ms a step,
-        `examples/results/h200-2026-12-03d`), where the kernel had taken 0.184 ms a step on other prompts (12-03c).
+        (`h200-2026-12-04e`); kept on SDPA for the long contexts where its flat cost wins. For 47 rows (a tree round)
+        the kernel was faster at every length measured (8.6 / 12.1 / 20.3 us against SDPA's 14.1 / 14.1 / 34.2; the
+        "dense" defaults 5.0 / 7.3 at 150 / 400 keys). attention="triton" sets 1 (the kernel for every call it takes).
+        The choice costs at short contexts: in a profile of 3 MT-Bench prompts a plain step's SDPA took 7.1 us a layer
+        (0.214 ms a step, `examples/results/h200-2026-12-03d`), where the kernel had taken 0.184 ms a step on other
+        prompts (12-03c).
         And SDPA at one row (cuDNN) is not run-to-run deterministic in bf16 on the H200: in 38 of 46 benchmark rows
         of plain decoding on it, repeated passes decoded different texts, never on the kernel (12-03d's
         `pass_determinism.txt`); attention="triton" gives reproducible bf16 plain decoding.
@@ -204,7 +207,12 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         proposes, so its attention cannot change what the target accepts, only τ.
 
         tree_topk="ranked": dynamic trees pick their nodes without topk and sort launches (`tree.best_ids`); "torch"
-        (the default): with them. The same nodes but for ties."""
+        (the default): with them. The same nodes but for ties.
+
+        rope_table=True: while the engine decodes, the target's and the drafter's RoPE cos/sin are read by position
+        from tables of their rotary modules' own values (`rope_table.py`) instead of computed in every forward, so a
+        compiled round's layers load them rather than each recomputing them (not yet timed on the GPU). Refused, with
+        the reason, for a RoPE whose frequencies depend on the sequence length."""
         if attention not in ("auto", "sdpa", "triton"):
             raise ValueError(f"attention={attention!r}: 'auto', 'sdpa' or 'triton'.")
         if attention_min_rows is not None and int(attention_min_rows) < 1:
@@ -280,6 +288,8 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         # the caches and every round's 4D mask span max_len keys: rounded up to a multiple of MAX_LEN_ALIGN so the
         # attention kernels read aligned rows (see MAX_LEN_ALIGN)
         self.max_len = -(-int(max_len) // MAX_LEN_ALIGN) * MAX_LEN_ALIGN
+        self.rope_table = bool(rope_table)
+        self._ropes = build_rope_tables({"target": target, "drafter": drafter}, self.max_len) if rope_table else []
         params = inspect.signature(target.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.24
         self.rounds: list[list[int]] = []
@@ -300,10 +310,10 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
     def attention_context(self):
         """The target's attention as this engine's rounds run it (`attention.engine_attention`): SDPA with grouped
         heads, or the Triton kernel with this engine's settings (attention="triton"); the drafter's on the kernel
-        too where `drafter_attention` says so (`attention.use_drafter_kernel`)."""
+        too where `drafter_attention` says so (`attention.use_drafter_kernel`); RoPE from a table with `rope_table`."""
         target = (engine_attention(self.target, TRITON_ATTENTION, self.attention_settings)
                   if self.attention == "triton" else engine_attention(self.target))
-        with target, use_drafter_kernel(self.drafter, self._drafter_kernel):
+        with target, use_drafter_kernel(self.drafter, self._drafter_kernel), use_rope_tables(self._ropes):
             yield
 
     # ------------------------------------------------------------------ static buffers
