@@ -368,11 +368,14 @@ def test_gpu_engine_check_tiny_cpu(tmp_path, monkeypatch):
     assert all(r["eager_tok_per_s"] > 0 and r["graph_tok_per_s"] > 0 for r in rows if r["dtype"] == "bf16")
     # --compile (the H200 run's form): compiled greedy rounds exact, and a compiled sampled call draws the eager tokens
     # (a process of its own: the script's command line, and Dynamo's state stays out of this one)
+    # (--engine_options: every engine on the RoPE tables here, recorded)
     cmd_c = cmd[:-3] + ["--compile", "--compile_backend", "aot_eager", "--dtypes", "fp32", "--kinds", "dflash",
-                        "--batch_sizes", "1", "--out", str(out)]
+                        "--batch_sizes", "1", "--engine_options", "rope_table=True", "--out", str(out)]
     res = subprocess.run(cmd_c, env=env, capture_output=True, text=True, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
-    (row,) = json.loads(out.read_text())["rows"]
+    summary_c = json.loads(out.read_text())
+    (row,) = summary_c["rows"]
+    assert summary_c["engine_options"] == {"rope_table": True}
     assert row["compile_exact"] and row["compile_sampled_same_tokens"], row
     assert row["compile_sampled_mode"] == "eager (no CUDA) +compile"
     # --lookup --deterministic: looping prompts, so lookup rounds and drafter-free rounds happen; the skipping eager

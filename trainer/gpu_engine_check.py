@@ -137,6 +137,8 @@ def main():
     p.add_argument("--attention", default="auto", choices=["auto", "sdpa", "triton"], help="every engine's "
                    "attention (SpeculativeEngine(attention=...); 'auto': Triton's kernel on CUDA where Triton is "
                    "installed)")
+    p.add_argument("--engine_options", nargs="+", default=[], metavar="KEY=VALUE", help="SpeculativeEngine arguments "
+                   "for every engine (e.g. rope_table=True drafter_attention=sdpa), recorded as engine_options")
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True, "
                    "warn_only=True) and CUBLAS_WORKSPACE_CONFIG=:4096:8: does run-to-run or eager/replay variation go?")
     args = p.parse_args()
@@ -154,8 +156,11 @@ def main():
     if args.tiny and args.target:
         p.error("--tiny shrinks the random target; it does not apply to --target")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    from benchmark import parse_inductor_options
+    from benchmark import parse_engine_options, parse_inductor_options
     compile_options = parse_inductor_options(args.inductor) or None
+    engine_options = parse_engine_options(args.engine_options)
+    if "attention" in engine_options:
+        p.error("--engine_options attention=...: use --attention")
     if compile_options and (not args.compile or args.compile_backend != "inductor"):
         p.error("--inductor sets options of the inductor-compiled engine: it needs --compile (backend inductor)")
     real = None
@@ -169,7 +174,7 @@ def main():
     res = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else args.device,
            "torch": torch.__version__, "transformers": transformers.__version__,
            "commit": os.environ.get("HF_CARRYOVER_COMMIT", "unknown"), "tiny": args.tiny,
-           "compile_options": args.inductor, "max_new_tokens": max_new,
+           "compile_options": args.inductor, "engine_options": engine_options, "max_new_tokens": max_new,
            "target": args.target or "random SmolLM2-shaped",
            "drafter": args.drafter or "random dflash (Carryover on)",
            "prompts": f"{args.prompts_dir}/{args.dataset}" if real else "random tokens", "lookup": args.lookup,
@@ -184,7 +189,7 @@ def main():
         Path(args.out).write_text(json.dumps(res, indent=2))
         print(json.dumps(row), flush=True)
 
-    SpeculativeEngine = functools.partial(Engine, attention=args.attention)
+    SpeculativeEngine = functools.partial(Engine, attention=args.attention, **engine_options)
 
     def engines(target, kind):
         drafter = check_drafter(target, args.drafter, args.device) if kind == "dflash" else None
