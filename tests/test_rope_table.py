@@ -74,8 +74,18 @@ def test_compiled_rounds_on_the_table_are_one_graph_each_and_compile_once():
     assert engine.last_mode == "eager +compile"
 
 
-def test_sequence_dependent_rope_is_refused_by_name():
+def test_untableable_rope_is_refused_by_name_and_a_shared_module_tabled_once():
     target = build_target("llama")
-    rotary_module(target).rope_type = "dynamic"
+    rotary = rotary_module(target)
+    rotary.rope_type = "dynamic"
     with pytest.raises(ValueError, match="rope_table=True: the target: rope_type='dynamic' changes its frequencies"):
         SpeculativeEngine(target, None, max_len=64, rope_table=True)
+    rotary.rope_type = {"full_attention": "default", "sliding_attention": "default"}
+    with pytest.raises(ValueError, match="one RoPE per layer type is not supported"):
+        SpeculativeEngine(target, None, max_len=64, rope_table=True)
+    rotary.rope_type = "default"
+    ropes = build_rope_tables({"target": target, "drafter": rotary}, 16)
+    assert len(ropes) == 1
+    with use_rope_tables(ropes):
+        assert rotary.forward is ropes[0][1]
+    assert "forward" not in rotary.__dict__

@@ -22,14 +22,16 @@ import torch
 _SEQUENCE_DEPENDENT = ("dynamic", "longrope")
 
 
-def rotary_module(target):
-    """The one rotary-embedding module of `target`'s language model (its `inv_freq` and `attention_scaling`), or the
-    reason there is no single one."""
-    found = [m for m in target.modules() if hasattr(m, "inv_freq") and hasattr(m, "attention_scaling")]
+def rotary_module(model):
+    """The one rotary-embedding module of `model` (its `inv_freq` and `attention_scaling`), or the reason there is no
+    single one it can table."""
+    found = [m for m in model.modules() if hasattr(m, "inv_freq") and hasattr(m, "attention_scaling")]
     if len(found) != 1:
-        return f"the target has {len(found)} rotary-embedding modules (one expected)"
+        return f"{len(found)} rotary-embedding modules (one expected)"
     rope_type = getattr(found[0], "rope_type", "default")
-    if not isinstance(rope_type, str) or rope_type in _SEQUENCE_DEPENDENT:
+    if not isinstance(rope_type, str):  # one per layer type (local and global attention layers)
+        return f"rope_type={rope_type!r}: one RoPE per layer type is not supported"
+    if rope_type in _SEQUENCE_DEPENDENT:
         return f"rope_type={rope_type!r} changes its frequencies with the sequence length"
     return found[0]
 
@@ -64,7 +66,8 @@ def build_rope_tables(models: dict, n: int) -> list:
         rotary = rotary_module(model)
         if isinstance(rotary, str):
             raise ValueError(f"rope_table=True: the {name}: {rotary}")
-        ropes.append((rotary, RopeTable(rotary, n).forward))
+        if all(rotary is not r for r, _ in ropes):  # a module shared by both is tabled (and put back) once
+            ropes.append((rotary, RopeTable(rotary, n).forward))
     return ropes
 
 
