@@ -380,9 +380,10 @@ def main():
 
     T = args.temperature
     hf = lambda pr, **kw: run_hf(target, pr, args.max_new_tokens, temperature=T, **kw)  # noqa: E731
-    def eng(name, d, pr, b, lookup=None, skip=True, **tree_kw):  # one engine per drafter (and one for its tree rows)
-        return run_engine(engine_for(name, d, "tree" in tree_kw), pr, args.max_new_tokens, b[0], eos, T, lookup, skip,
-                          continuous=b[1], **tree_kw)
+    def eng(name, d, pr, b, lookup=None, skip=True, options=None, **tree_kw):  # one engine per drafter (and one for
+        # its tree rows); `options`: an --ar_variant's own engine options
+        return run_engine(engine_for(name, d, "tree" in tree_kw, options), pr, args.max_new_tokens, b[0], eos, T,
+                          lookup, skip, continuous=b[1], **tree_kw)
 
     # engine rows per (batch size, continuous?); continuous rows are named "@8c" (their own AR row is engine_ar@8c:
     # results_tables' "own AR" pairs them)
@@ -391,8 +392,7 @@ def main():
 
     # fastest first: when a time box cuts the run, the engine rows and the HF baselines exist already
     methods = [(f"engine_ar{at(b)}", lambda pr, b=b: eng(None, None, pr, b)) for b in batches]
-    methods += [(f"engine_ar:{tag}{at(b)}", lambda pr, tag=tag, o=o, b=b: run_engine(
-                    engine_for(f"ar:{tag}", None, options=o), pr, args.max_new_tokens, b[0], eos, T, continuous=b[1]))
+    methods += [(f"engine_ar:{tag}{at(b)}", lambda pr, tag=tag, o=o, b=b: eng(f"ar:{tag}", None, pr, b, options=o))
                 for tag, o in ar_variants.items() for b in batches]
     methods += [(f"engine:{n}{at(b)}", lambda pr, n=n, d=d, b=b: eng(n, d, pr, b))
                 for n, d in drafters.items() for b in batches]

@@ -624,8 +624,8 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
   # CHECK_DETERMINISTIC=1, CHECK_CONTINUOUS=1: continuous batching against static too, CHECK_COMPILE=0: graph
   # engines without the compiled one, CHECK_INDUCTOR="freezing=True": the compiled engine's inductor options,
   # CHECK_TREE=N with CHECK_DRAFTER: its draft_tree.json, N nodes a round, CHECK_ATTENTION=triton: every engine on the
-  # Triton attention kernel; CHECK_ENGINE="rope_table=True": SpeculativeEngine arguments of every engine): a random drafter, or with CHECK_DRAFTER=NAME a trained one on the real target, also
-  # against plain greedy decoding. The job
+  # Triton attention kernel; CHECK_ENGINE="rope_table=True": SpeculativeEngine arguments of every engine): a random
+  # drafter, or with CHECK_DRAFTER=NAME a trained one on the real target, also against plain greedy decoding. The job
   # "gencheck" checks generate()'s static rounds (trainer/gpu_generate_check.py, GENCHECK_* below). The job
   # "replaydiff" compares eager and replayed rounds round by round (trainer/gpu_replay_diff.py, REPLAY_* below).
   # Each job's rows land in $R/<HHMMSS of this call>_gpu<g>_<job>/bench_raw.jsonl (a later call on the same warm

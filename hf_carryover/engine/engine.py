@@ -288,7 +288,6 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         # the caches and every round's 4D mask span max_len keys: rounded up to a multiple of MAX_LEN_ALIGN so the
         # attention kernels read aligned rows (see MAX_LEN_ALIGN)
         self.max_len = -(-int(max_len) // MAX_LEN_ALIGN) * MAX_LEN_ALIGN
-        self.rope_table = bool(rope_table)
         self._ropes = build_rope_tables({"target": target, "drafter": drafter}, self.max_len) if rope_table else []
         params = inspect.signature(target.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.24
