@@ -1,5 +1,5 @@
-"""`SpeculativeEngine(rope_table=True)`: the target's RoPE read by position from a table of the rotary module's own
-values (`hf_carryover/engine/rope_table.py`)."""
+"""`SpeculativeEngine(rope_table="auto" | True)`: the target's and the drafter's RoPE read by position from tables of
+their rotary modules' own values (`hf_carryover/engine/rope_table.py`); "auto" is the engine's default."""
 
 import pytest
 import torch
@@ -34,7 +34,8 @@ def test_table_gives_the_rotary_modules_own_values_and_is_put_back(arch):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_engine_on_the_table_decodes_plain_greedy_text(arch, monkeypatch):
     """Linear rounds and tree + lookup rounds with the tables equal plain greedy decoding (fp32), and no rotary
-    module's forward runs while the engine decodes on them, the target's or the drafter's (they do without)."""
+    module's forward runs while the engine decodes on them, the target's or the drafter's (they do without); the
+    default ("auto") tables both models here."""
     target = build_target(arch, seed=3)
     drafter = build_drafter(target, "dflash", True)
     prompts = _prompts(2, (3, 8, 12))
@@ -43,12 +44,14 @@ def test_engine_on_the_table_decodes_plain_greedy_text(arch, monkeypatch):
     calls = []
     real = type(rotary).forward
     monkeypatch.setattr(type(rotary), "forward", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
-    table = SpeculativeEngine(target, drafter, max_len=96, rope_table=True)
+    table = SpeculativeEngine(target, drafter, max_len=96)
+    assert len(table._ropes) == 2 and table.rope_untabled == {}
     calls.clear()
     assert table.generate(prompts, max_new_tokens=16) == refs
     assert table.generate(prompts, max_new_tokens=16, tree=WIDE, tree_nodes=5, prompt_lookup_num_tokens=3) == refs
     assert calls == []
-    assert SpeculativeEngine(target, drafter, max_len=96).generate(prompts, max_new_tokens=16) == refs and calls
+    assert SpeculativeEngine(target, drafter, max_len=96, rope_table=False).generate(prompts, max_new_tokens=16) == refs
+    assert calls  # without tables the module runs
     assert "forward" not in rotary.__dict__ and "forward" not in rotary_module(drafter).__dict__
 
 
@@ -89,3 +92,28 @@ def test_untableable_rope_is_refused_by_name_and_a_shared_module_tabled_once():
     with use_rope_tables(ropes):
         assert rotary.forward is ropes[0][1]
     assert "forward" not in rotary.__dict__
+
+
+def test_auto_computes_an_untableable_rope_as_usual_and_bad_values_are_refused():
+    """The default ("auto") leaves a RoPE it cannot table to its module, says why in `rope_untabled`, and still tables
+    the drafter's; the engine then decodes plain greedy text with the target's module running. A value other than
+    "auto", True or False is refused by name before anything is touched."""
+    target = build_target("llama", seed=4)
+    drafter = build_drafter(target, "dflash", True)
+    rotary = rotary_module(target)
+    rotary.rope_type = "dynamic"  # the module's forward is unchanged: only the check reads rope_type here
+    engine = SpeculativeEngine(target, drafter, max_len=96)
+    assert engine.rope_untabled == {"target": "rope_type='dynamic' changes its frequencies with the sequence length"}
+    assert [r for r, _ in engine._ropes] == [rotary_module(drafter)]
+    prompts = _prompts(2, (4, 9))
+    calls = []
+    real = type(rotary).forward
+    type(rotary).forward = lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw)
+    try:
+        assert engine.generate(prompts, max_new_tokens=10) == _greedy_refs(target, prompts, 10)
+    finally:
+        type(rotary).forward = real
+    assert calls
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match=r"rope_table=.*: 'auto', True or False"):
+            SpeculativeEngine(target, None, max_len=64, rope_table=bad)

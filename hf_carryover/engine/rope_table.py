@@ -1,5 +1,5 @@
 """The RoPE cos/sin of the target, and of the drafter, as tables read by position while the engine decodes
-(`SpeculativeEngine(rope_table=True)`).
+(`SpeculativeEngine(rope_table="auto")`, the default, or True).
 
 Why: transformers' rotary module computes cos/sin from the positions in every forward, and inductor, compiling a
 round as one graph, folds that cheap-looking pointwise work into each layer's RoPE kernels, so every layer recomputes
@@ -54,18 +54,22 @@ class RopeTable(torch.nn.Module):
         return self.cos[idx].to(x.dtype), self.sin[idx].to(x.dtype)
 
 
-def build_rope_tables(models: dict, n: int) -> list:
+def build_rope_tables(models: dict, n: int, untabled: dict | None = None) -> list:
     """[(rotary module, its bound table forward)] for `use_rope_tables`, one per model of `models` ({"target": ...,
     "drafter": ...}; None skipped): the drafter's own rotary module runs in its every forward and cache write too.
-    ValueError with the model and the reason where a RoPE cannot be tabled. Each bound method is made once: compiled
-    rounds guard on the object a module's `forward` is."""
+    Where a RoPE cannot be tabled: ValueError with the model and the reason, or, given `untabled` (a dict), the
+    reason stored under the model's name and that model left to compute its RoPE as usual ("auto"). Each bound
+    method is made once: compiled rounds guard on the object a module's `forward` is."""
     ropes = []
     for name, model in models.items():
         if model is None:
             continue
         rotary = rotary_module(model)
         if isinstance(rotary, str):
-            raise ValueError(f"rope_table=True: the {name}: {rotary}")
+            if untabled is None:
+                raise ValueError(f"rope_table=True: the {name}: {rotary}")
+            untabled[name] = rotary
+            continue
         if all(rotary is not r for r, _ in ropes):  # a module shared by both is tabled (and put back) once
             ropes.append((rotary, RopeTable(rotary, n).forward))
     return ropes
