@@ -200,23 +200,18 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         drafter_attention="triton" (with attention="triton"): the drafter's attention in rounds runs through the same
         kernel, which reads only its keys in use (`attention.DrafterKernel`); "sdpa": SDPA over its whole cache;
         "auto" (the default): the kernel where the target's attention is on it and the drafter's code has the hook,
-        else SDPA. With the scan-only kernel the drafter's calls were not faster on it (2009.5 against 2024.2 tok/s,
-        HumanEval, tree 31 + lookup, `h200-2026-12-03e`); with the "dense" defaults a tree 31 + lookup round cost
-        1.606 against 1.648 ms on 80 HumanEval prompts and 1.543 against 1.575 on 80 MT-Bench prompts (2.5 % / 2.0 %
-        cheaper, τ unchanged within the bf16 texts' spread; one machine start, `h200-2026-12-04e`). The drafter only
-        proposes, so its attention cannot change what the target accepts, only τ.
+        else SDPA. With the "dense" defaults a tree 31 + lookup round cost 1.606 against 1.648 ms on 80 HumanEval
+        prompts (`h200-2026-12-04e`). The drafter only proposes: its attention can change τ, never the output.
 
         tree_topk="ranked": dynamic trees pick their nodes without topk and sort launches (`tree.best_ids`); "torch"
         (the default): with them. The same nodes but for ties.
 
-        rope_table="auto" (the default): while the engine decodes, the target's and the drafter's RoPE cos/sin are
-        read by position from tables of their rotary modules' own values (`rope_table.py`) instead of computed in every
-        forward, so a compiled round's layers load them rather than each recomputing them; a model whose RoPE cannot be
-        tabled (frequencies that depend on the sequence length, one RoPE per layer type, no single rotary module)
-        computes it as usual, its reason in `self.rope_untabled`. True: refused, with the reason, for such a model;
-        False: no tables. On the H200 (bf16, tree 31 + lookup, 80 HumanEval prompts) a round took 1.505 ms with the
-        tables against 1.615 without, on two machine starts (`h200-2026-12-04f`); plain decoding steps unchanged.
-        The tables are built here, from the modules as they are now, as compiled rounds freeze the weights they see."""
+        rope_table="auto" (the default): the target's and the drafter's RoPE cos/sin are read by position from tables
+        of their rotary modules' own values (`rope_table.py`), so a compiled round's layers load them instead of each
+        recomputing them; a RoPE that cannot be tabled (sequence-dependent frequencies, one per layer type) is computed
+        as usual, its reason in `self.rope_untabled`. True: such a model is refused by name; False: no tables. A tree
+        round 1.505 against 1.615 ms on the H200 (`h200-2026-12-04f`, two machine starts); plain steps unchanged. The
+        tables are built here from the modules as they are, as compiled rounds freeze the weights they see."""
         if not any(rope_table is v for v in (True, False)) and rope_table != "auto":
             raise ValueError(f"rope_table={rope_table!r}: 'auto', True or False.")
         if attention not in ("auto", "sdpa", "triton"):
