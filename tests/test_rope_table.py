@@ -45,7 +45,7 @@ def test_engine_on_the_table_decodes_plain_greedy_text(arch, monkeypatch):
     real = type(rotary).forward
     monkeypatch.setattr(type(rotary), "forward", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
     table = SpeculativeEngine(target, drafter, max_len=96)
-    assert len(table._ropes) == 2 and table.rope_untabled == {}
+    assert len(table._ropes) == 2 and table.rope_untabled == {} and table.rope_tabled == ["target", "drafter"]
     calls.clear()
     assert table.generate(prompts, max_new_tokens=16) == refs
     assert table.generate(prompts, max_new_tokens=16, tree=WIDE, tree_nodes=5, prompt_lookup_num_tokens=3) == refs
@@ -104,7 +104,8 @@ def test_auto_computes_an_untableable_rope_as_usual_and_bad_values_are_refused()
     rotary.rope_type = "dynamic"  # the module's forward is unchanged: only the check reads rope_type here
     engine = SpeculativeEngine(target, drafter, max_len=96)
     assert engine.rope_untabled == {"target": "rope_type='dynamic' changes its frequencies with the sequence length"}
-    assert [r for r, _ in engine._ropes] == [rotary_module(drafter)]
+    assert [r for r, _ in engine._ropes] == [rotary_module(drafter)] and engine.rope_tabled == ["drafter"]
+    assert SpeculativeEngine(target, drafter, max_len=96, rope_table=False).rope_tabled == []
     prompts = _prompts(2, (4, 9))
     calls = []
     real = type(rotary).forward

@@ -223,6 +223,7 @@ def main():
                 try:
                     built = engines(target, kind)
                     eager, graph = built["eager"], built["graph"]
+                    row.update(rope_tabled=eager.rope_tabled, rope_untabled=eager.rope_untabled)
                     sets = ([real[:b], real[b:2 * b]] if real else
                             prompt_sets(b, target.config.vocab_size, seed=b, loop=bool(args.lookup)))
                     if dtype_name == "fp32":  # exactness: both prompt sets, tokens and rounds

@@ -290,8 +290,11 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         # attention kernels read aligned rows (see MAX_LEN_ALIGN)
         self.max_len = -(-int(max_len) // MAX_LEN_ALIGN) * MAX_LEN_ALIGN
         self.rope_untabled: dict = {}  # model name -> why its RoPE is computed as usual (rope_table="auto")
+        models = {"target": target, "drafter": drafter}
         self._ropes = [] if rope_table is False else build_rope_tables(
-            {"target": target, "drafter": drafter}, self.max_len, None if rope_table is True else self.rope_untabled)
+            models, self.max_len, None if rope_table is True else self.rope_untabled)
+        self.rope_tabled = [n for n, m in models.items()  # the models whose RoPE rounds read from tables
+                            if self._ropes and m is not None and n not in self.rope_untabled]
         params = inspect.signature(target.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.24
         self.rounds: list[list[int]] = []
