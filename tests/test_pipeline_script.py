@@ -73,9 +73,9 @@ def _bash(tmp_path, *lines):
 
 
 def test_inductor_cache_travels_in_parts_and_unpacks_on_the_next_machine(tmp_path):
-    """pack_cache returns ~/assets/inductor as tar parts of PACK_PART_MB MiB in $OUT; carried back as .device/inductor,
-    unpack_cache restores the same files on a fresh machine; a cache over PACK_PARTS parts stays behind, and a
-    damaged part is logged without stopping the call."""
+    """pack_cache (PACK_CACHE=1; off by default) returns ~/assets/inductor as tar parts of PACK_PART_MB MiB in $OUT;
+    carried back as .device/inductor, unpack_cache restores the same files on a fresh machine; a cache over PACK_PARTS
+    parts stays behind, and a damaged part is logged without stopping the call."""
     import os
 
     old = tmp_path / "old"
@@ -86,7 +86,9 @@ def test_inductor_cache_travels_in_parts_and_unpacks_on_the_next_machine(tmp_pat
         (old / rel).write_bytes(data)
     out = tmp_path / "out"
     out.mkdir()
-    r = _bash(tmp_path, f"A={old}", f"OUT={out}", "PACK_PART_MB=1", "pack_cache")
+    r = _bash(tmp_path, f"A={old}", f"OUT={out}", "PACK_PART_MB=1", "pack_cache")  # off unless PACK_CACHE=1
+    assert r.returncode == 0 and list(out.iterdir()) == [], r.stdout + r.stderr
+    r = _bash(tmp_path, f"A={old}", f"OUT={out}", "PACK_CACHE=1", "PACK_PART_MB=1", "pack_cache")
     assert r.returncode == 0, r.stderr
     parts = sorted(p.name for p in out.iterdir())
     assert parts == ["inductor.tgz.part00", "inductor.tgz.part01", "inductor.tgz.part02"], parts  # 2.4 MB in 1 MiB
@@ -102,7 +104,8 @@ def test_inductor_cache_travels_in_parts_and_unpacks_on_the_next_machine(tmp_pat
     assert r.returncode == 0 and "stashed inductor cache" in r.stdout, r.stdout + r.stderr
     assert all((new / rel).read_bytes() == data for rel, data in files.items())
     # too large for PACK_PARTS: nothing returned, said so
-    r = _bash(tmp_path, f"A={old}", f"OUT={tmp_path / 'out2'}", "mkdir -p $OUT", "PACK_PART_MB=1", "PACK_PARTS=2",
+    r = _bash(tmp_path, f"A={old}", f"OUT={tmp_path / 'out2'}", "mkdir -p $OUT", "PACK_CACHE=1", "PACK_PART_MB=1",
+              "PACK_PARTS=2",
               "pack_cache", "ls $OUT | wc -l")
     assert r.returncode == 0 and "not returned" in r.stdout and r.stdout.strip().endswith("0"), r.stdout
     assert "by folder (MiB): fxgraph/ 2; fxgraph/ab/ 2; triton/ 1; triton/k1/ 1;" in r.stdout, r.stdout  # what filled it, largest first

@@ -29,7 +29,7 @@
 #           .device/inductor/`). Make the bundle on a networked machine with
 #           `bash ../shared/tools/make_vllm_bundle.sh .vllm/bundle`; /.vllm/ is git-ignored.
 #   engine  benchmark rows (engine, HF) and the fp32 compile check on both GPUs without vLLM: E0, E1 are each
-#           GPU's jobs in order (see the phase); returns the machine's inductor cache as tar parts (pack_cache)
+#           GPU's jobs in order (see the phase); PACK_CACHE=1 returns its inductor cache as tar parts (pack_cache)
 #   vllm    vLLM 0.26 against our engine on the same prompts, target weights and settings (GPU 0: examples/bench_vllm.py,
 #           GPU 1 or after it: benchmark.py engine rows), both appending to results/vllm/bench/bench_raw.jsonl. Needs
 #           vllmstash's install and the converted target (train1), or .device/p2 + .whl carried to convert it here.
@@ -135,9 +135,10 @@ call_box() {  # call_box SECONDS: that time box, cut to what is left of the devi
   else echo "$1"; fi
 }
 pack_cache() {  # pack_cache: ~/assets/inductor as gzip tar parts of PACK_PART_MB (15) MiB into $OUT/inductor.tgz.part*,
-  # at most PACK_PARTS (4) of them (a larger cache stays behind, logged); PACK_CACHE=0: off. Carry the parts back as
+  # at most PACK_PARTS (4) of them (a larger cache stays behind, logged); off unless PACK_CACHE=1: in 12-04e the caches
+  # were 246-481 MiB, never returned, and packing them cost device time every call. Carry parts that do come back as
   # .device/inductor (with a drafter folder while they stay under ~38 MB, else in a vllmstash call of their own)
-  [ "${PACK_CACHE:-1}" = 1 ] && [ -d "$A/inductor" ] || return 0
+  [ "${PACK_CACHE:-0}" = 1 ] && [ -d "$A/inductor" ] || return 0
   local part=${PACK_PART_MB:-15} max=${PACK_PARTS:-4}
   tar czf "$A/.inductor.tgz" -C "$A" inductor || { rm -f "$A/.inductor.tgz"; return 0; }
   local size; size=$(stat -c %s "$A/.inductor.tgz")
