@@ -1,5 +1,5 @@
-"""Where a captured fast-engine round spends its time on the GPU, at batch 1: plain decoding against a drafter round
-(linear block or draft tree, with or without context lookup).
+"""Where a captured fast-engine round spends its time on the GPU, at batch 1 (or `--batch b`): plain decoding against a
+drafter round (linear block or draft tree, with or without context lookup).
 
 Why: on the H200 a round of the Carryover drafter with a 31-node tree + lookup costs about 1.7 plain decoding steps
 (`h200-2026-12-01h`: τ 3.21 gave 1.90× on HumanEval), where a launch-bound 135M target should verify 32 rows for
@@ -22,6 +22,8 @@ this script splits it, per mode:
         --tree model_cards/smollm2-135m-instruct-dflash-carryover/draft_tree.json --tree_nodes 31 --lookup 15 \
         --prompts_dir assets/prompts --out profile_engine.json
     ... --inductor combo_kernels=True    # the same with an inductor option set (a fresh process compiles anew)
+    ... --batch 8 --limit 16             # rounds of 8 rows (static batches of the prompts in order; no prefill
+                                         # timing): why a tree round costs more plain steps at batch 8 than at 1
 
 CUDA only (captured rounds); the JSON carries the command, commit, GPU and versions.
 """
@@ -121,6 +123,8 @@ def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, loo
     (12-03c: the parts failed so and took the round's kernel table with them)."""
     from hf_carryover.engine.engine import SpeculativeEngine
 
+    b = args.batch
+    batches = [prompts[i:i + b] for i in range(0, len(prompts), b)]  # static batches, as benchmark.py's rows
     longest = max(len(p) for p in prompts)
     k = drafter.config.num_proposals if drafter is not None else (lookup or 0)
     eng = SpeculativeEngine(target, drafter, max_len=longest + args.max_new_tokens + 2 * k + 2, cuda_graphs=True,
@@ -136,28 +140,29 @@ def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, loo
     kw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=eos, prompt_lookup_num_tokens=lookup, tree=tree,
               tree_nodes=args.tree_nodes if tree is not None else None)
     t0 = time.perf_counter()
-    eng.generate([prompts[0]], **kw)  # compile + capture
+    eng.generate(batches[0], **kw)  # compile + capture
     torch.cuda.synchronize()
-    res = {"mode": name, "compile_and_capture_s": time.perf_counter() - t0}
+    res = {"mode": name, "batch": b, "compile_and_capture_s": time.perf_counter() - t0}
     if eng.fused_projections is not None:  # GEMMs the engine's pass merged in this mode's compiled graphs
         res["fused_gemms"] = eng.fused_projections.fused
-    for p in prompts[1:]:  # the other prompts' width buckets (a captured row prefill each) outside the timing
-        eng.generate([p], **kw)
-    wall, acc, tokens = 0.0, [], 0
-    for p in prompts:
+    for batch in batches[1:]:  # the other prompts' width buckets (a captured row prefill each) outside the timing
+        eng.generate(batch, **kw)
+    wall, acc, tokens, batch_rounds = 0.0, [], 0, 0
+    for batch in batches:
         torch.cuda.synchronize()
         t = time.perf_counter()
-        out = eng.generate([p], **kw)
+        out = eng.generate(batch, **kw)
         torch.cuda.synchronize()
         wall += time.perf_counter() - t
-        acc += [a for r in eng.rounds for a in r]
-        tokens += len(out[0])
+        acc += [a for r in eng.rounds for a in r]  # eng.rounds: per row, the tokens accepted in each of its rounds
+        batch_rounds += max(len(r) for r in eng.rounds)  # the batch's rounds: its longest row's
+        tokens += sum(len(o) for o in out)
     st = held["st"]
     # the prefill generate() runs once per prompt (row by row, captured per width bucket), timed alone, and the
     # eager batched one it replaced
     pre, eager = [], []
-    row_prefill = eng._row_prefill(st, 1, True)
-    for p in prompts:
+    row_prefill = eng._row_prefill(st, 1, True) if b == 1 else None
+    for p in (prompts if b == 1 else []):  # batch 1 only: the state's one row
         toks = torch.tensor([p], device=st.anchor.device)
         pos = eng._steps[: len(p)][None]
         pre.append(replay_ms(lambda: row_prefill(0, p), 3))
@@ -169,9 +174,10 @@ def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, loo
     starts = [g for key, g in eng._graphs.items() if isinstance(g, torch.cuda.CUDAGraph) and key[0] == "start"]
     res.update(last_mode=eng.last_mode, prompts=len(prompts), tokens=tokens, rounds=len(acc),
                tau=(sum(acc) + len(acc)) / len(acc), tok_per_s=tokens / wall,
-               generate_ms_per_round=1000 * wall / len(acc),
-               prefill_ms=sum(pre) / len(pre), eager_prefill_ms=sum(eager) / len(eager),
-               captured_round_graphs=len(graphs))
+               generate_ms_per_round=1000 * wall / batch_rounds,  # a round of the batch (its b rows at once)
+               prefill_ms=sum(pre) / len(pre) if pre else None,
+               eager_prefill_ms=sum(eager) / len(eager) if eager else None,
+               batch_rounds=batch_rounds, captured_round_graphs=len(graphs))
     if graphs:  # replays on the finished state run the same kernels (finished rows are masked, not skipped)
         g = graphs[0]
         res["gpu_ms"] = replay_ms(g.replay, args.replays)
@@ -181,7 +187,7 @@ def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, loo
         res["start_gpu_ms"] = replay_ms(starts[0].replay, args.replays)
         res["start_kernels"] = kernel_profile(starts[0].replay, args.profile_replays)["total"]
     def one_call():
-        eng.generate([prompts[0]], **kw)
+        eng.generate(batches[0], **kw)
         torch.cuda.synchronize()
 
     res["host"] = host_profile(one_call)
@@ -233,6 +239,8 @@ def main():
     p.add_argument("--prompts_dir", default="assets/prompts")
     p.add_argument("--dataset", default="humaneval")
     p.add_argument("--limit", type=int, default=4)
+    p.add_argument("--batch", type=int, default=1, help="rows a round (static batches of --limit prompts in order; "
+                   "--limit a multiple of it)")
     p.add_argument("--max_new_tokens", type=int, default=256)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--replays", type=int, default=200)
@@ -246,6 +254,8 @@ def main():
                    "engine's compiled rounds and parts (its compile_options)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.batch < 1 or args.limit % args.batch:
+        p.error(f"--batch {args.batch}: at least 1, and --limit ({args.limit}) a multiple of it (full batches)")
     if not torch.cuda.is_available():
         raise SystemExit("profile_engine.py times captured CUDA rounds: it needs a GPU")
     from benchmark import parse_engine_options, parse_inductor_options

@@ -331,6 +331,45 @@ def test_profile_engine_kernel_kinds_and_cpu_refusal():
     assert run.returncode != 0 and "needs a GPU" in run.stderr
 
 
+def test_profile_engine_counts_a_batchs_rounds_and_tokens(monkeypatch):
+    """`profile_engine.profile_mode` with --batch 2 on CPU (engines eager: no CUDA graphs or compile here, the GPU
+    figures absent): tokens are every row's, τ is the engines' own over all rows, a round of the batch is counted once
+    (its longest row), and the batch-1 prefill timing is skipped; at batch 1 rounds and row rounds agree."""
+    from argparse import Namespace
+
+    from conftest import build_target
+    from profile_engine import profile_mode
+
+    import hf_carryover.engine.engine as engine_mod
+
+    real = engine_mod.SpeculativeEngine
+    monkeypatch.setattr(engine_mod, "SpeculativeEngine",
+                        lambda *a, **kw: real(*a, **{**kw, "cuda_graphs": False, "compile": False}))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    target = build_target("llama", seed=2)
+    drafter = build_drafter(target, "dflash", True)
+    prompts = [[3, 5, 7, 9, 11], [2, 4, 6], [8, 10, 12, 14, 16, 18], [1, 3, 1, 3]]
+    args = Namespace(max_new_tokens=12, compile_options={}, engine_kw={}, tree_nodes=None, replays=2,
+                     profile_replays=1, batch=2)
+    saved = []
+    res = profile_mode(args, target, drafter, prompts, None, "linear", saved.append)
+    ref = real(target, drafter, max_len=64)
+    outs, rounds, batch_rounds = [], [], 0
+    for batch in (prompts[:2], prompts[2:]):
+        outs += ref.generate(batch, max_new_tokens=12)
+        rounds += [a for r in ref.rounds for a in r]
+        batch_rounds += max(len(r) for r in ref.rounds)
+    assert res["tokens"] == sum(len(o) for o in outs) == 4 * 12
+    assert res["batch"] == 2 and res["prefill_ms"] is None and "gpu_ms" not in res and saved[-1] is res
+    assert (res["rounds"], res["batch_rounds"]) == (len(rounds), batch_rounds) and batch_rounds < len(rounds)
+    assert res["tau"] == (sum(rounds) + len(rounds)) / len(rounds)
+    per_batch = res["generate_ms_per_round"]
+    args.batch = 1
+    one = profile_mode(args, target, drafter, prompts, None, "linear", saved.append)
+    assert one["rounds"] == one["batch_rounds"] == len(rounds) and one["prefill_ms"] is not None
+    assert per_batch > 0 and one["generate_ms_per_round"] > 0
+
+
 def test_plot_speed_draws_summary_rows_first_file_first(tmp_path):
     """plot_speed.py draws each method's summary row (the median of --passes, not the passes behind it); a method in
     two files is drawn from the first file named; a folder's re-run counts its last summary row; batch sizes and
