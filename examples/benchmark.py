@@ -269,10 +269,9 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
     settings = getattr(engine, "options", None)
     if settings:  # --engine_options and the drafter spec's engine keys (make_engine): the setting a row timed
         res["engine_options"] = dict(settings)
-    if hasattr(engine, "rope_tabled"):  # the models whose RoPE the row read from tables; "auto" left the rest, why
-        res["rope_tabled"] = list(engine.rope_tabled)
-        if engine.rope_untabled:
-            res["rope_untabled"] = dict(engine.rope_untabled)
+    res["rope_tabled"] = list(engine.rope_tabled)  # the models whose RoPE the row read from tables
+    if engine.rope_untabled:  # those "auto" left to compute it, and why
+        res["rope_untabled"] = dict(engine.rope_untabled)
     if engine.fused_projections is not None:  # GEMMs the frozen-weight pass merged in this row's engine so far
         res["fused_gemms"] = engine.fused_projections.fused  # (hf_carryover/engine/fuse_projections.py; until
         # 12-02f the sum over all engines of the call)

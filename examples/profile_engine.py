@@ -161,13 +161,14 @@ def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, loo
     # the prefill generate() runs once per prompt (row by row, captured per width bucket), timed alone, and the
     # eager batched one it replaced
     pre, eager = [], []
-    row_prefill = eng._row_prefill(st, 1, True) if b == 1 else None
-    for p in (prompts if b == 1 else []):  # batch 1 only: the state's one row
-        toks = torch.tensor([p], device=st.anchor.device)
-        pos = eng._steps[: len(p)][None]
-        pre.append(replay_ms(lambda: row_prefill(0, p), 3))
-        with eng.attention_context():  # the target's attention as the engine's calls run it
-            eager.append(replay_ms(lambda: eng._target_forward(st.cache, toks, pos), 3))
+    if b == 1:  # batch 1 only: the prefill fills the state's one row
+        row_prefill = eng._row_prefill(st, 1, True)
+        for p in prompts:
+            toks = torch.tensor([p], device=st.anchor.device)
+            pos = eng._steps[: len(p)][None]
+            pre.append(replay_ms(lambda: row_prefill(0, p), 3))
+            with eng.attention_context():  # the target's attention as the engine's calls run it
+                eager.append(replay_ms(lambda: eng._target_forward(st.cache, toks, pos), 3))
     # round graphs only: since 2026-12-03 a call's start is a captured graph too (`SpeculativeEngine._start`, keys
     # ("start", ...)), timed apart below; the profile of that day timed the start graph as `gpu_ms` by mistake
     graphs = [g for key, g in eng._graphs.items() if isinstance(g, torch.cuda.CUDAGraph) and key[0] != "start"]

@@ -293,8 +293,8 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         models = {"target": target, "drafter": drafter}
         self._ropes = [] if rope_table is False else build_rope_tables(
             models, self.max_len, None if rope_table is True else self.rope_untabled)
-        self.rope_tabled = [n for n, m in models.items()  # the models whose RoPE rounds read from tables
-                            if self._ropes and m is not None and n not in self.rope_untabled]
+        self.rope_tabled = [] if rope_table is False else [  # the models whose RoPE rounds read from tables
+            n for n, m in models.items() if m is not None and n not in self.rope_untabled]
         params = inspect.signature(target.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.24
         self.rounds: list[list[int]] = []
