@@ -239,12 +239,13 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
             engine.generate(c, **kw)
             seen |= new
     engine.timing = dict.fromkeys(engine.timing, 0)  # the profile covers the timed calls only
-    n_tok, secs, acc, modes, looked, skipped = 0, 0.0, [], [], 0, 0
+    n_tok, secs, acc, modes, looked, skipped, launched = 0, 0.0, [], [], 0, 0, 0
     for i, chunk in enumerate(chunks):
         out, dt = _timed(lambda: engine.generate(chunk, seed=i, **kw))
         n_tok += sum(len(o) for o in out)
         secs += dt
         acc += [a for rows in engine.rounds for a in rows]
+        launched += engine.last_launched
         looked += sum(map(sum, engine.lookup_rounds))
         skipped += engine.skipped_drafts
         modes.append(engine.last_mode)
@@ -253,6 +254,15 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
            "mode": " | ".join(dict.fromkeys(modes))}  # one mode unless some batch shapes could not be captured
     if lookup:
         res.update(lookup=lookup, lookup_round_share=looked / max(len(acc), 1), drafter_skipped_rounds=skipped)
+    if launched:
+        # rounds the batch ran (plain decoding: steps), against the rows' own rounds: at batch b a static batch lasts
+        # as long as its slowest row, so `batch_fill` = row rounds / (b x launched rounds) says how much of each round
+        # decoded rows still running, and ms_per_launched_round what one round of the whole batch cost (the calls'
+        # prefills and run-ahead rounds included). Together with τ they split a batch-b ratio over AR into round
+        # cost, τ and idle rows.
+        rows = len(acc)  # every row's rounds (plain decoding: its steps)
+        res.update(launched_rounds=launched, row_rounds=rows, batch_fill=rows / (batch * launched),
+                   ms_per_launched_round=1000.0 * secs / launched)
     if not continuous and len(prompts) % batch:
         # a last batch of fewer rows costs AR nearly a full batch's steps for fewer tokens, while speculative rows
         # shorten it as at batch 1: the ratio over AR reads high (12-02c's 10 prompts at batch 8: 2.02x against
@@ -269,6 +279,9 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
     settings = getattr(engine, "options", None)
     if settings:  # --engine_options and the drafter spec's engine keys (make_engine): the setting a row timed
         res["engine_options"] = dict(settings)
+    prefills = list(engine._prefills.values())
+    if prefills:  # rows prefilled through the compiled row prefill: over a dynamic width, or per width (fallback)
+        res["dynamic_prefill"] = all(p.dynamic_width for p in prefills)
     res["rope_tabled"] = list(engine.rope_tabled)  # the models whose RoPE the row read from tables
     if engine.rope_untabled:  # those "auto" left to compute it, and why
         res["rope_untabled"] = dict(engine.rope_untabled)

@@ -6,7 +6,9 @@ start) differ in τ as well as in what a round costs, and only the second is the
 verification is seconds / (tokens / τ); for a plain decoding row (no τ) it is seconds / tokens, a step. Then, for a pair
 A:B of rows of one dataset, tok/s(A) / tok/s(B) = (τ_A / τ_B) × (round_B / round_A) exactly, and the table gives both
 factors. At batch b > 1 the figure is per row and round (the rows of a round share its time), so compare rows of one
-batch size.
+batch size. Rows that record their launched rounds (`benchmark.py` since 12-04g) are split further: tok/s = (tokens /
+row rounds) x batch_fill x b / (ms a launched round), exactly, so a pair of batch-b rows also gets a fill factor (rows
+idle in a static batch while its slowest row decodes) and a factor of what one round of the whole batch cost.
 
     python examples/round_cost.py examples/results/h200-2026-12-04d/engine_call4/bench_raw.jsonl \
         --pair "engine_tree_lookup31:new@1:engine_tree_lookup31:scan@1"
@@ -36,22 +38,32 @@ def load_rows(paths):
 
 
 def split_ratio(a: dict, b: dict) -> dict:
-    """tok/s(a) / tok/s(b) as (τ factor) × (round factor); a plain decoding row counts τ = 1."""
+    """tok/s(a) / tok/s(b) as (τ factor) × (round factor); a plain decoding row counts τ = 1. Where both rows record
+    launched rounds, also as (tokens a row round factor) × (fill factor) × (launched-round factor) (equal batch
+    sizes: the batch size cancels)."""
     tau_a, tau_b = a.get("tau") or 1.0, b.get("tau") or 1.0
-    return {"speed": a["tok_per_s"] / b["tok_per_s"], "tau": tau_a / tau_b,
-            "round": b["ms_per_verification"] / a["ms_per_verification"]}
+    split = {"speed": a["tok_per_s"] / b["tok_per_s"], "tau": tau_a / tau_b,
+             "round": b["ms_per_verification"] / a["ms_per_verification"]}
+    if a.get("launched_rounds") and b.get("launched_rounds"):
+        split.update(row_tokens=(a["tokens"] / a["row_rounds"]) / (b["tokens"] / b["row_rounds"]),
+                     fill=a["batch_fill"] / b["batch_fill"],
+                     launched=b["ms_per_launched_round"] / a["ms_per_launched_round"])
+    return split
 
 
 def table(rows, pairs=()) -> str:
-    lines = ["| file | dataset | method | pass | tokens | τ | verifications | ms each | tok/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| file | dataset | method | pass | tokens | τ | verifications | ms each | tok/s | batch fill | "
+             "ms a launched round |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tau = f"{r['tau']:.3f}" if r.get("tau") else "–"
+        fill, launched = ((f"{r['batch_fill']:.3f}", f"{r['ms_per_launched_round']:.4f}") if r.get("launched_rounds")
+                          else ("–", "–"))
         lines.append(f"| {r['file']} | {r['dataset']} | {r['method']} | {r.get('pass', '–')} | {r['tokens']} | {tau} | "
-                     f"{r['verifications']:.1f} | {r['ms_per_verification']:.4f} | {r['tok_per_s']:.1f} |")
+                     f"{r['verifications']:.1f} | {r['ms_per_verification']:.4f} | {r['tok_per_s']:.1f} | {fill} | "
+                     f"{launched} |")
     if pairs:
-        lines += ["", "| file | dataset | A | B | tok/s A / B | = τ factor | × round factor |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "| file | dataset | A | B | tok/s A / B | = τ factor | × round factor | = tokens a row round "
+                  "factor | × fill factor | × launched-round factor |", "|---|---|---|---|---|---|---|---|---|---|"]
         for a_name, b_name in pairs:
             for ds in dict.fromkeys(r["dataset"] for r in rows):
                 for key in sorted({(r["file"], r.get("pass")) for r in rows}, key=lambda k: (k[0], k[1] or 0)):
@@ -61,8 +73,10 @@ def table(rows, pairs=()) -> str:
                               and r["method"] == b_name), None)
                     if a and b:
                         s = split_ratio(a, b)
+                        more = (" | ".join(f"{s[k]:.3f}" for k in ("row_tokens", "fill", "launched"))
+                                if "fill" in s else "– | – | –")
                         lines.append(f"| {key[0]} | {ds} | {a_name} | {b_name} | {s['speed']:.3f} | {s['tau']:.3f} | "
-                                     f"{s['round']:.3f} |")
+                                     f"{s['round']:.3f} | {more} |")
     return "\n".join(lines) + "\n"
 
 

@@ -316,20 +316,20 @@ def test_graph_path_plumbing_with_eager_stand_in(monkeypatch, typ):
 
 
 def test_row_prefill_is_compiled_with_the_rounds(monkeypatch):
-    """With compile, the row prefill runs compiled as the rounds do, once per width bucket (a captured eager prefill
-    cost four plain decoding steps on the H200, `refill.py`), whole (no graph break), with the eager engine's tokens
-    and rounds; without compile it stays the plain method."""
+    """With compile, the row prefill runs compiled as the rounds do (a captured eager prefill cost four plain decoding
+    steps on the H200, `refill.py`), whole (no graph break), with the eager engine's tokens and rounds; without
+    compile it stays the plain method. (One compile for both widths: `test_row_prefill_compile.py`.)"""
     fills = []
     compiled = SpeculativeEngine._compiled
 
-    def spy(self, fn):  # records the widths the compiled prefill is called with
-        out = compiled(self, fn)
+    def spy(self, fn, dynamic=False):  # records the widths the compiled prefill is called with
+        out = compiled(self, fn, dynamic)
         if getattr(fn, "__name__", "") != "_fill":
             return out
 
-        def run(w):
-            fills.append(w)
-            return out(w)
+        def run(tokens, logits):
+            fills.append(tokens.shape[1])
+            return out(tokens, logits)
         return run
 
     monkeypatch.setattr(SpeculativeEngine, "_compiled", spy)
@@ -579,20 +579,28 @@ def test_frozen_compiled_round_merges_projections_and_equals_eager():
 
 
 @pytest.mark.parametrize("typ,backend", [("dflash", "inductor"), (None, "aot_eager")])
-def test_compiled_round_equals_eager(typ, backend):
+def test_compiled_round_equals_eager(typ, backend, monkeypatch):
     """compile=True runs the same round through torch.compile (inductor's C++ backend here): same tokens, same
     rounds as the eager engine in fp32, and the mode says so. Sampled rounds are compiled too, and with
     the same seed they draw the eager round's tokens (the uniforms come from the call's Generator either way).
     This is the suite's one inductor compile (about a minute on CPU); the other compile tests trace the same way
-    through "aot_eager" (graph breaks, guards, plumbing) without inductor's code generation."""
+    through "aot_eager" (graph breaks, guards, plumbing) without inductor's code generation. With inductor the
+    prompts are prefilled row by row, at two widths through the one compile of a dynamic width (`refill.py`)."""
+    import hf_carryover.engine.refill as refill
+
+    monkeypatch.setattr(refill, "WIDTH_ALIGN", 8)  # prompts of 4 and 9 tokens: widths 8 and 16
     target = build_target("llama", seed=5)
     drafter = build_drafter(target, typ, True) if typ else None
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 90, (n,), generator=g).tolist() for n in (4, 9)]
     eager = SpeculativeEngine(target, drafter, max_len=96)
     fast = SpeculativeEngine(target, drafter, max_len=96, compile=True if backend == "inductor" else backend)
+    fast.row_prefill = backend == "inductor"
     ref = eager.generate(prompts, max_new_tokens=20)
     assert fast.generate(prompts, max_new_tokens=20) == ref and fast.rounds == eager.rounds
+    if fast.row_prefill:
+        prefill = next(iter(fast._prefills.values()))
+        assert sorted(prefill.tokens) == [8, 16] and prefill.dynamic_width  # no fallback to per-width compiles
     assert fast.last_mode == "eager +compile"
     sampled = eager.generate(prompts, max_new_tokens=20, do_sample=True, temperature=0.8, seed=3)
     counters = torch._dynamo.utils.counters

@@ -535,5 +535,27 @@ def test_round_cost_splits_a_speed_ratio_into_tau_and_round_cost(tmp_path):
         round_cost.parse_pair("engine_ar")
     text = round_cost.main([str(raw), "--pair", "engine_tree_lookup31:new@1:engine_tree_lookup31:old@1",
                             "--out", str(tmp_path / "t.md")])
-    assert "| 0 | d | engine_tree_lookup31:new@1 | engine_tree_lookup31:old@1 | 1.260 | 1.125 | 1.120 |" in text
+    assert "| 0 | d | engine_tree_lookup31:new@1 | engine_tree_lookup31:old@1 | 1.260 | 1.125 | 1.120 | – | – | – |" in text
     assert (tmp_path / "t.md").read_text() == text
+
+
+def test_round_cost_splits_a_batch_ratio_into_tokens_a_row_round_fill_and_round_cost(tmp_path):
+    """Batch rows with launched rounds (`benchmark.run_engine`): the speed ratio is exactly the product of the tokens
+    a row round factor, the fill factor and the launched-round factor."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import round_cost
+
+    def row(method, tokens, seconds, tau, rows, launched, batch=8):
+        return {"method": method, "dataset": "d", "tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
+                "tau": tau, "launched_rounds": launched, "row_rounds": rows, "batch_fill": rows / (batch * launched),
+                "ms_per_launched_round": 1000 * seconds / launched}
+    raw = tmp_path / "bench_raw.jsonl"
+    raw.write_text(json.dumps(row("engine_ar@8", 4096, 0.6, None, 4080, 512)) + "\n"
+                   + json.dumps(row("engine_tree@8", 3900, 0.45, 3.4, 1140, 170)) + "\n")
+    ar, tree = round_cost.load_rows([raw])
+    split = round_cost.split_ratio(tree, ar)
+    assert split["speed"] == pytest.approx(split["row_tokens"] * split["fill"] * split["launched"])
+    assert split["fill"] == pytest.approx((1140 / 170) / (4080 / 512))
+    assert split["launched"] == pytest.approx((600 / 512) / (450 / 170))
+    text = round_cost.table([ar, tree], [("engine_tree@8", "engine_ar@8")])
+    assert f"| {1140 / (8 * 170):.3f} | {450 / 170:.4f} |" in text

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_drafter
+from conftest import build_drafter, build_target
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -244,6 +244,38 @@ def test_benchmark_passes_a_specs_engine_keys_and_records_them(tmp_path):
     from hf_carryover.engine.engine import SpeculativeEngine
     params = inspect.signature(SpeculativeEngine).parameters  # a spec key the engine does not take fails late, on a GPU
     assert [k for k in ENGINE_KEYS if k not in params] == []
+
+
+def test_benchmark_engine_rows_split_a_batch_into_launched_rounds_and_row_rounds():
+    """At batch 2, static batches, with an EOS that ends one row early: `row_rounds` is every row's rounds (plain
+    decoding: its steps), `launched_rounds` the rounds the batches ran (the engine's own count: each batch as long as
+    its slowest row, plus a run-ahead round where the loop runs ahead), and `batch_fill` the share of row slots in them
+    that decoded; at batch 1 the same prompts fill every round but the run-ahead ones."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from benchmark import run_engine
+
+    from hf_carryover.engine.engine import SpeculativeEngine
+
+    target = build_target("llama", seed=5)
+    prompts = [[3, 7, 11, 3, 7], [2, 4, 6], [8, 10, 12, 14], [1, 3, 1, 3, 5]]
+    alone = SpeculativeEngine(target, None, max_len=64)
+    eos = alone.generate(prompts[:1], max_new_tokens=12)[0][3]  # prompt 0 stops at its 4th token
+    for drafter, extra in ((None, {}), (build_drafter(target, "dflash", True), {"lookup": 3})):
+        engine = SpeculativeEngine(target, drafter, max_len=64)
+        own = []  # each prompt's rounds, decoded alone
+        for p in prompts:
+            engine.generate([p], max_new_tokens=12, eos_token_id=eos, prompt_lookup_num_tokens=extra.get("lookup"))
+            own.append(len(engine.rounds[0]))
+        two = run_engine(engine, prompts, 12, 2, eos, **extra)
+        slowest = max(own[:2]) + max(own[2:])
+        assert two["row_rounds"] == sum(own)
+        assert slowest <= two["launched_rounds"] <= slowest + 2  # + at most one run-ahead round a batch
+        assert two["batch_fill"] == sum(own) / (2 * two["launched_rounds"]) < 1
+        assert two["ms_per_launched_round"] == pytest.approx(1000 * two["seconds"] / two["launched_rounds"])
+        one = run_engine(engine, prompts, 12, 1, eos, **extra)
+        assert one["row_rounds"] == sum(own) <= one["launched_rounds"] <= sum(own) + len(prompts)
+        assert one["batch_fill"] > two["batch_fill"]
+    assert own[0] < max(own)  # the EOS really ended a row early
 
 
 def test_benchmark_refuses_lookup_rows_the_drafter_code_ignores(monkeypatch):

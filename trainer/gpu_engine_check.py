@@ -244,6 +244,10 @@ def main():
                             row.update({f"{tag}exact": not mismatches, f"{tag}mismatches": mismatches,
                                         f"{tag}mode": engine.last_mode, f"{tag}graphs": len(engine._graphs),
                                         f"{tag}skipped_drafts": engine.skipped_drafts})
+                            if engine._prefills and engine.compile:  # compiled row prefill: one dynamic-width
+                                # compile, or per width after a failed one (`refill.py`)
+                                row[f"{tag}dynamic_prefill"] = all(pf.dynamic_width
+                                                                   for pf in engine._prefills.values())
                         if args.continuous:  # both sets through b rows: refills, captured on the graph engines
                             want = refs[0][0] + refs[1][0]
                             want_rounds = refs[0][1] + refs[1][1]

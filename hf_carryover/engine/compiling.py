@@ -3,6 +3,7 @@ options patched around each call (not passed as compile options; see `compile_ro
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -20,8 +21,11 @@ def check_inductor_options(options: dict) -> None:
         raise ValueError(f"compile_options: {e}") from None
 
 
-def compile_round(fn, backend: str, compile_options: dict, inductor_patch: dict):
+def compile_round(fn, backend: str, compile_options: dict, inductor_patch: dict, dynamic: bool | None = False):
     """`fn` compiled with static shapes. `backend` other than "inductor" (e.g. "aot_eager") is used as it is.
+
+    dynamic=None (the row prefill, `refill.py`): static except the sizes its caller marks dynamic
+    (`torch._dynamo.maybe_mark_dynamic`), so one compile serves every prompt-width bucket.
 
     combo_kernels: inductor launches independent kernels (per layer, small RoPE, cache-write and attention-preparation
     kernels) as one. A captured plain decoding step of the 135M target went from 635 kernels and 1.69 ms to 412 and
@@ -34,20 +38,32 @@ def compile_round(fn, backend: str, compile_options: dict, inductor_patch: dict)
     code per code object (`_round` is shared by every engine) and reuses it for any backend that compares equal, as
     `torch.compile` backends with equal options do: a frozen round (its weights baked in) served later engines, other
     weights and other options alike (tested)."""
-    if backend != "inductor":
-        return torch.compile(fn, dynamic=False, backend=backend)
-    combo = {"combo_kernels": True}
-    if not compile_options:
-        return torch.compile(fn, dynamic=False, backend="inductor", options=combo)
+    import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
-    def own_backend(gm, example_inputs):
-        return compile_fx(gm, example_inputs, config_patches=combo)
-    compiled = torch.compile(fn, dynamic=False, backend=own_backend)
+    patches = []  # config set around each call (a compile happens inside the first call of a new shape)
+    if dynamic is None:
+        # only the marked sizes: without this a recompile for another engine's caches (batch 8 after batch 1) would
+        # make their sizes dynamic too ("automatic dynamic shapes"), and every later prefill run on general code
+        patches.append(dynamo_config.patch(automatic_dynamic_shapes=False))
+    combo = {"combo_kernels": True}
+    if backend != "inductor":
+        compiled = torch.compile(fn, dynamic=dynamic, backend=backend)
+    elif not compile_options:
+        compiled = torch.compile(fn, dynamic=dynamic, backend="inductor", options=combo)
+    else:
+        def own_backend(gm, example_inputs):
+            return compile_fx(gm, example_inputs, config_patches=combo)
+        compiled = torch.compile(fn, dynamic=dynamic, backend=own_backend)
+        patches.append(inductor_config.patch(inductor_patch))
+    if not patches:
+        return compiled
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        with inductor_config.patch(inductor_patch):
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch)
             return compiled(*args, **kwargs)
     return run

@@ -102,7 +102,7 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
                  attention_warps: int = 4, attention_split_n: int = 256, attention_min_rows: int | None = None,
                  attention_block_m: int = 16,
                  run_ahead: bool = True, tree_topk: str = "torch", drafter_attention: str = "auto",
-                 rope_table: bool | str = "auto"):
+                 rope_table: bool | str = "auto", dynamic_prefill: bool = True):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -112,8 +112,8 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         "cuda_graph", "eager (no CUDA)", "eager (profile)", "eager (nothing to decode)" or "eager (capture failed:
         <error>)" (warned once per shape: a failed shape is not captured again).
 
-        compile=True runs each round through `torch.compile` (inductor, static shapes; the row prefill too, once per
-        width bucket, `refill.py`; the batched eager prefill is not compiled):
+        compile=True runs each round through `torch.compile` (inductor, static shapes; the row prefill too, `refill.py`,
+        see dynamic_prefill; the batched eager prefill is not compiled):
         its fused kernels replace the dozens of small ones an HF decoder layer launches (unfused RMSNorm, RoPE,
         SiLU*up), which is where a batch-1 step of a small target spends its time. With cuda_graphs the compiled
         round is what gets captured, and `last_mode` gains "+compile". Compiled kernels may round differently
@@ -211,9 +211,16 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         recomputing them; a RoPE that cannot be tabled (sequence-dependent frequencies, one per layer type) is computed
         as usual, its reason in `self.rope_untabled`. True: such a model is refused by name; False: no tables. A tree
         round 1.505 against 1.615 ms on the H200 (`h200-2026-12-04f`, two machine starts); plain steps unchanged. The
-        tables are built here from the modules as they are, as compiled rounds freeze the weights they see."""
+        tables are built here from the modules as they are, as compiled rounds freeze the weights they see.
+
+        dynamic_prefill=True (the default; with compile): the row prefill compiles once with the prompt's width left
+        dynamic, instead of once per width bucket (each as long as a round's compile); still one CUDA graph per
+        bucket. Should that compile fail, the prefill warns and compiles per width (`refill.py`)."""
         if not any(rope_table is v for v in (True, False)) and rope_table != "auto":
             raise ValueError(f"rope_table={rope_table!r}: 'auto', True or False.")
+        if not isinstance(dynamic_prefill, bool):
+            raise ValueError(f"dynamic_prefill={dynamic_prefill!r}: True or False.")
+        self.dynamic_prefill = dynamic_prefill
         if attention not in ("auto", "sdpa", "triton"):
             raise ValueError(f"attention={attention!r}: 'auto', 'sdpa' or 'triton'.")
         if attention_min_rows is not None and int(attention_min_rows) < 1:
@@ -542,9 +549,9 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
             self._prefills[key] = RowPrefill(self, st, use_graphs=use_graphs)
         return self._prefills[key]
 
-    def _compiled(self, fn):
+    def _compiled(self, fn, dynamic: bool | None = False):
         """`fn` through torch.compile with this engine's backend and inductor options (`compiling.compile_round`)."""
-        return compile_round(fn, self._compile_backend, self.compile_options, self._inductor_patch)
+        return compile_round(fn, self._compile_backend, self.compile_options, self._inductor_patch, dynamic)
 
     def _round_fn(self, do_sample, tree=None):
         """The compiled round where it applies (greedy or sampled; not when profiling: the clock's syncs would split

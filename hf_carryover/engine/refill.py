@@ -55,24 +55,31 @@ class RowPrefill:
         self.tokens: dict[int, torch.Tensor] = {}  # width -> [1, width] padded prompt
         self.logits: dict[int, torch.Tensor] = {}  # width -> [1, vocab] float32 logits at `last`
         self.graphs: dict[int, object] = {}  # width -> CUDAGraph, or None where capture failed (eager)
-        # compiled as the engine compiles its rounds (one compile per width bucket, on its first use): the captured
-        # eager forward still launches every unfused kernel of an HF decoder layer, and on the H200 a 135M prefill
-        # replayed in 4.2-4.4 ms (`examples/profile_engine.py`, h200-2026-12-03), four plain decoding steps, paid
-        # once per prompt and, under continuous batching, by every row while one refills
-        self._fill_fn = engine._compiled(self._fill) if engine.compile and not engine.profile else self._fill
+        # compiled as the engine compiles its rounds: the captured eager forward still launches every unfused kernel
+        # of an HF decoder layer, and on the H200 a 135M prefill replayed in 4.2-4.4 ms (`examples/profile_engine.py`,
+        # h200-2026-12-03), four plain decoding steps, paid once per prompt and, under continuous batching, by every
+        # row while one refills. With `engine.dynamic_prefill` one compile serves every width (the padded prompt's
+        # width marked dynamic, all else static): per width, a cold benchmark row paid one compile per bucket, 3 on
+        # 80 HumanEval prompts and a 4th on MT-Bench's, each about as long as a round's. Graphs stay one per width.
+        compiled = engine.compile and not engine.profile
+        self.dynamic_width = engine.dynamic_prefill and compiled
+        self._fill_fn = engine._compiled(self._fill, None if self.dynamic_width else False) if compiled else self._fill
 
     def width(self, n: int) -> int:
         return width_bucket(n, self.engine.max_len)
 
-    def _fill(self, w: int) -> None:
-        """Staging forward of the `w`-wide padded prompt, then its rows copied into batch row `row` (in place)."""
+    def _fill(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """Staging forward of the padded prompt `tokens` `[1, w]`, then its rows copied into batch row `row`, and the
+        last prompt position's logits into `logits` `[1, vocab]` (all in place). The width comes from `tokens`, not
+        from an argument, so a compile that leaves it dynamic serves every width."""
         eng, st = self.engine, self.st
+        w = tokens.shape[1]
         pos = eng._steps[:w][None]  # [1, w]
         self.cache.positions = pos
-        out = eng.target(input_ids=self.tokens[w], position_ids=pos, attention_mask=self.cache.causal_mask(pos),
+        out = eng.target(input_ids=tokens, position_ids=pos, attention_mask=self.cache.causal_mask(pos),
                          use_cache=True, output_hidden_states=eng.drafter is not None, logits_to_keep=self.last,
                          **{eng._cache_kw: self.cache})
-        self.logits[w].copy_(out.logits[:, -1].float())
+        logits.copy_(out.logits[:, -1].float())
         pairs = list(zip(st.cache.k + st.cache.v, self.cache.k + self.cache.v))
         if eng.drafter is not None:
             feats = eng.drafter.target_features(out.hidden_states)
@@ -101,7 +108,7 @@ class RowPrefill:
                 own += self.st.cache.k + self.st.cache.v
                 if self.dcache is not None:
                     own += self.dcache.keys + self.dcache.values + self.st.dcache.keys + self.st.dcache.values
-                self.graphs[w] = capture_round(lambda: self._fill_fn(w), own)
+                self.graphs[w] = capture_round(lambda: self._run(self.tokens[w], self.logits[w]), own)
             except Exception as e:  # noqa: BLE001  (as for rounds: what cannot be captured runs eagerly)
                 # a failed capture is a property of the model, not of the width: stop trying (one warning, no
                 # further capture attempts, each of which runs the prefill several times)
@@ -113,8 +120,25 @@ class RowPrefill:
         if graph is not None:
             graph.replay()
         else:
-            self._fill_fn(w)
+            self._run(self.tokens[w], self.logits[w])
         return self.logits[w]
+
+    def _run(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """`_fill` through its compiled function; a failed compile over a dynamic width falls back to compiling per
+        width (warned once). A fill is idempotent (it writes the same rows again), so the retry loses nothing."""
+        try:
+            if self.dynamic_width:  # a fresh view is marked, not the staging tensor: a fallback compiles that static
+                tokens = tokens.view(tokens.shape)
+                torch._dynamo.maybe_mark_dynamic(tokens, 1)
+            self._fill_fn(tokens, logits)
+        except Exception as e:  # noqa: BLE001  (whatever the dynamic compile raised; the static one may still work)
+            if not (self.dynamic_width and self._fill_fn is not self._fill):
+                raise
+            warnings.warn(f"compiling the row prefill over a dynamic prompt width failed; compiling it per width "
+                          f"bucket from now on: {type(e).__name__}: {e}", stacklevel=3)
+            self.dynamic_width = False
+            self._fill_fn = self.engine._compiled(self._fill)
+            self._fill_fn(self.tokens[tokens.shape[1]], logits)
 
 
 __all__ = ["RowPrefill", "WIDTH_ALIGN", "width_bucket"]
