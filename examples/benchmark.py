@@ -280,8 +280,8 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
     if settings:  # --engine_options and the drafter spec's engine keys (make_engine): the setting a row timed
         res["engine_options"] = dict(settings)
     prefills = list(engine._prefills.values())
-    if prefills:  # rows prefilled through the compiled row prefill: over a dynamic width, or per width (fallback)
-        res["dynamic_prefill"] = all(p.dynamic_width for p in prefills)
+    if prefills and engine.compile:  # rows prefilled through the compiled row prefill: over a dynamic width, or per
+        res["dynamic_prefill"] = all(p.dynamic_width for p in prefills)  # width (after a failed dynamic compile)
     res["rope_tabled"] = list(engine.rope_tabled)  # the models whose RoPE the row read from tables
     if engine.rope_untabled:  # those "auto" left to compute it, and why
         res["rope_untabled"] = dict(engine.rope_untabled)

@@ -24,9 +24,10 @@ from ..modeling_drafter import DrafterStaticCache
 from .graphs import capture_round
 from .static_cache import TargetStaticCache
 
-# prompt widths are padded up to a multiple of this: one captured graph per bucket, and with compile one compile per
-# bucket (about as long as compiling a round). 128 rather than 64: the first 32 HumanEval / MT-Bench prompts (49-243
-# tokens) fall in 2 buckets instead of 3 / 4, and padded rows cost a launch-bound prefill next to nothing
+# prompt widths are padded up to a multiple of this: one captured graph per bucket (and, with compile and without
+# `dynamic_prefill`, one compile per bucket, about as long as compiling a round). 128 rather than 64: the first 32
+# HumanEval / MT-Bench prompts (49-243 tokens) fall in 2 buckets instead of 3 / 4, and padded rows cost a launch-bound
+# prefill next to nothing
 WIDTH_ALIGN = 128
 
 
