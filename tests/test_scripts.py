@@ -311,7 +311,7 @@ def test_evaluate_tau_refuses_engine_keys_without_engine(tmp_path, monkeypatch):
                     ["--drafters", "x=nowhere,lookup=4,lookup_siblings=false", "--out", tmp_path], tmp_path)
     message = str(refused.value.code)
     assert "]: lookup_siblings (of lookup_siblings/" in message, message
-    assert "rope_table) are SpeculativeEngine arguments: they need --engine" in message
+    assert "dynamic_prefill) are SpeculativeEngine arguments: they need --engine" in message
 
 
 def test_evaluate_tau_cut_run_keeps_its_command(tmp_path, monkeypatch):
