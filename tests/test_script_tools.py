@@ -237,18 +237,20 @@ def test_replay_diff_finds_where_runs_part():
 
 def test_attention_bench_variants_compute_the_same_attention(tmp_path):
     """trainer/gpu_attention_bench.py (eager, CPU): every way of calling one layer's attention, the window over the
-    first keys included, gives the float64 reference's result, and windows too short for the mask are skipped."""
+    first keys included, gives the float64 reference's result at batch 1 and 3, and windows too short for the mask
+    are skipped."""
     sys.path.insert(0, str(ROOT / "trainer"))
     import gpu_attention_bench
 
     out = tmp_path / "attn.json"
     res = gpu_attention_bench.main(["--device", "cpu", "--dtype", "float32", "--keys", "128", "--queries", "1", "4",
                                     "--valid", "40", "--variants", "hf", "hf_math", "gqa", "flex", "window64",
-                                    "window32", "--layers", "2", "--replays", "1", "--no_compile", "--out", str(out)])
+                                    "window32", "--layers", "2", "--replays", "1", "--no_compile", "--batch", "1", "3",
+                                    "--out", str(out)])
     rows = res["rows"]
     assert json.loads(out.read_text())["rows"] == rows
-    assert {(r["variant"], r["q_rows"]) for r in rows} == {(v, q) for v in ("hf", "hf_math", "gqa", "flex", "window64")
-                                                          for q in (1, 4)}
+    assert {(r["variant"], r["q_rows"], r["batch"]) for r in rows} == {
+        (v, q, b) for v in ("hf", "hf_math", "gqa", "flex", "window64") for q in (1, 4) for b in (1, 3)}
     assert all("error" not in r and r["max_abs_err"] < 1e-5 and r["us_per_layer"] > 0 for r in rows), rows
 
 

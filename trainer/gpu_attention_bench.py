@@ -45,16 +45,17 @@ from hf_carryover.engine.graphs import capture_round  # noqa: E402
 BACKENDS = {"hf_efficient": "EFFICIENT_ATTENTION", "hf_cudnn": "CUDNN_ATTENTION", "hf_math": "MATH"}
 
 
-def make_inputs(layers, q_rows, keys, valid, heads, kv_heads, head_dim, dtype, device, seed=0):
-    """Per-layer queries and caches, and the round's boolean mask `[1, 1, q_rows, keys]`: the first `valid` keys are
-    committed context; query row i also sees the i+1 keys after them (a causal block, as a linear round verifies)."""
+def make_inputs(layers, q_rows, keys, valid, heads, kv_heads, head_dim, dtype, device, seed=0, batch=1):
+    """Per-layer queries and caches of `batch` rows, and the round's boolean mask `[batch, 1, q_rows, keys]`: the first
+    `valid` keys are committed context; query row i also sees the i+1 keys after them (a causal block, as a linear
+    round verifies). Every batch row has the same context length (its own mask rows, as in the engine's rounds)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    q = [torch.randn(1, heads, q_rows, head_dim, generator=g).to(device, dtype) for _ in range(layers)]
-    k = [torch.randn(1, kv_heads, keys, head_dim, generator=g).to(device, dtype) for _ in range(layers)]
-    v = [torch.randn(1, kv_heads, keys, head_dim, generator=g).to(device, dtype) for _ in range(layers)]
+    q = [torch.randn(batch, heads, q_rows, head_dim, generator=g).to(device, dtype) for _ in range(layers)]
+    k = [torch.randn(batch, kv_heads, keys, head_dim, generator=g).to(device, dtype) for _ in range(layers)]
+    v = [torch.randn(batch, kv_heads, keys, head_dim, generator=g).to(device, dtype) for _ in range(layers)]
     col = torch.arange(keys)
     mask = col[None, :] < valid + 1 + torch.arange(q_rows)[:, None]  # [q_rows, keys]
-    return q, k, v, mask[None, None].to(device)
+    return q, k, v, mask[None, None].expand(batch, 1, q_rows, keys).contiguous().to(device)
 
 
 def repeat_kv(x, n):
@@ -64,7 +65,7 @@ def repeat_kv(x, n):
 
 
 def layer_fn(variant, heads, kv_heads, mask, keys):
-    """One layer's attention `(q, k, v) -> [1, heads, q_rows, head_dim]` for `variant`."""
+    """One layer's attention `(q, k, v) -> [batch, heads, q_rows, head_dim]` for `variant`."""
     rep = heads // kv_heads
     if variant.startswith("triton_"):
         import re
@@ -75,7 +76,7 @@ def layer_fn(variant, heads, kv_heads, mask, keys):
             r"triton_(scan|skip|dense)(\d+)(?:w(\d+))?(?:s(\d+))?(?:m(\d+))?(?:p(\d+))?", variant).groups()
         return lambda q, k, v: masked_gqa_attention(q, k, v, mask, q.shape[-1] ** -0.5, mode, int(block_n),
                                                     int(warps or 4), int(split or 0), block_m=int(block_m or 0),
-                                                    num_stages=int(stages or 0)).transpose(1, 2)  # [1, h, q, d]
+                                                    num_stages=int(stages or 0)).transpose(1, 2)  # [b, h, q, d]
     if variant.startswith("window"):
         w = int(variant[len("window"):])
         m = mask[..., :w]
@@ -88,12 +89,12 @@ def layer_fn(variant, heads, kv_heads, mask, keys):
     if variant == "flex":
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        m2 = mask[0, 0]  # [q_rows, keys]
+        m3 = mask[:, 0]  # [batch, q_rows, keys]
 
         def mask_mod(b, h, qi, kv):
-            return m2[qi, kv]
+            return m3[b, qi, kv]
 
-        block_mask = create_block_mask(mask_mod, 1, 1, mask.shape[2], keys, device=mask.device)
+        block_mask = create_block_mask(mask_mod, mask.shape[0], 1, mask.shape[2], keys, device=mask.device)
         return lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     raise ValueError(f"unknown variant {variant!r}")
 
@@ -106,11 +107,11 @@ def reference(q, k, v, mask, heads, kv_heads):
     return s.masked_fill(~mask, float("-inf")).softmax(-1) @ v
 
 
-def time_variant(variant, args, q_rows, keys, valid, device, dtype):
+def time_variant(variant, args, q_rows, keys, valid, device, dtype, batch=1):
     """Microseconds per layer of `variant`, compiled and (on CUDA) captured with all layers in one graph; `valid`
-    committed keys in the mask."""
+    committed keys in the mask; `batch` rows."""
     q, k, v, mask = make_inputs(args.layers, q_rows, keys, valid, args.heads, args.kv_heads, args.head_dim, dtype,
-                                device)
+                                device, batch=batch)
     fn = layer_fn(variant, args.heads, args.kv_heads, mask, keys)
 
     def all_layers():
@@ -134,8 +135,8 @@ def time_variant(variant, args, q_rows, keys, valid, device, dtype):
             step()
         sync()
     us = 1e6 * (time.perf_counter() - t) / args.replays / args.layers
-    return {"variant": variant, "q_rows": q_rows, "keys": keys, "valid": valid, "us_per_layer": round(us, 3),
-            "max_abs_err": err}
+    return {"variant": variant, "batch": batch, "q_rows": q_rows, "keys": keys, "valid": valid,
+            "us_per_layer": round(us, 3), "max_abs_err": err}
 
 
 def main(argv=None):
@@ -147,6 +148,8 @@ def main(argv=None):
     p.add_argument("--queries", type=int, nargs="+", default=[1, 16, 47], help="query rows per round")
     p.add_argument("--keys", type=int, nargs="+", default=[640, 1024], help="static cache length (max_len)")
     p.add_argument("--valid", type=int, nargs="+", default=[200], help="committed context lengths in the mask")
+    p.add_argument("--batch", type=int, nargs="+", default=[1], help="batch rows (a batch-8 tree round: --batch 8 "
+                   "--queries 32)")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv_heads", type=int, default=3)
@@ -158,16 +161,16 @@ def main(argv=None):
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     result = {"command": " ".join(["trainer/gpu_attention_bench.py", *(argv if argv is not None else sys.argv[1:])]),
               "env": environment(), "args": vars(args), "rows": []}
-    cases = [(keys, q_rows, min(v, keys - q_rows - 1)) for keys in args.keys for v in args.valid
-             for q_rows in args.queries]
-    for keys, q_rows, valid in dict.fromkeys(cases):  # a valid length cut to the cache may repeat: once
+    cases = [(b, keys, q_rows, min(v, keys - q_rows - 1)) for b in args.batch for keys in args.keys
+             for v in args.valid for q_rows in args.queries]
+    for b, keys, q_rows, valid in dict.fromkeys(cases):  # a valid length cut to the cache may repeat: once
         for variant in args.variants:
             if variant.startswith("window") and not valid + q_rows + 1 <= int(variant[len("window"):]) < keys:
                 continue  # a window must hold every key the mask lets through, and be shorter than the cache
             try:
-                row = time_variant(variant, args, q_rows, keys, valid, device, dtype)
+                row = time_variant(variant, args, q_rows, keys, valid, device, dtype, batch=b)
             except Exception as e:  # a backend that refuses these shapes is a result too
-                row = {"variant": variant, "q_rows": q_rows, "keys": keys, "valid": valid,
+                row = {"variant": variant, "batch": b, "q_rows": q_rows, "keys": keys, "valid": valid,
                        "error": f"{type(e).__name__}: {e}"[:300]}
             print(json.dumps(row), flush=True)
             result["rows"].append(row)
