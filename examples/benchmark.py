@@ -214,6 +214,13 @@ def parse_engine_options(pairs) -> dict:
 _WARNED_PARTIAL: set = set()  # (prompts, batch) already warned about a partial last static batch
 
 
+def occupied_rounds(logged: list[int], output: list[int]) -> int:
+    """The rounds a prompt's row decoded in: its logged rounds (accepted drafts each, `engine.rounds`), plus a last
+    round with room for no draft, which the engine leaves out of the log (as of τ) and which emitted one token. The
+    output's first token comes from the prefill, each logged round emitted a + 1."""
+    return len(logged) + (len(output) - 1 - sum(a + 1 for a in logged))
+
+
 def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=None, skip_drafter=True, tree=None,
                tree_nodes=None, continuous=False):
     """One engine per (target, drafter) serves every dataset and batch size of a run, so a shape is captured and
@@ -240,12 +247,15 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
             seen |= new
     engine.timing = dict.fromkeys(engine.timing, 0)  # the profile covers the timed calls only
     n_tok, secs, acc, modes, looked, skipped, launched = 0, 0.0, [], [], 0, 0, 0
+    prompt_rounds, prompt_tokens = [], []  # per prompt, in order: what `examples/batch_fill.py` batches anew
     for i, chunk in enumerate(chunks):
         out, dt = _timed(lambda: engine.generate(chunk, seed=i, **kw))
         n_tok += sum(len(o) for o in out)
         secs += dt
         acc += [a for rows in engine.rounds for a in rows]
         launched += engine.last_launched
+        prompt_rounds += [occupied_rounds(rows, o) for rows, o in zip(engine.rounds, out)]
+        prompt_tokens += [len(o) for o in out]
         looked += sum(map(sum, engine.lookup_rounds))
         skipped += engine.skipped_drafts
         modes.append(engine.last_mode)
@@ -260,9 +270,10 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
         # decoded rows still running, and ms_per_launched_round what one round of the whole batch cost (the calls'
         # prefills and run-ahead rounds included). Together with τ they split a batch-b ratio over AR into round
         # cost, τ and idle rows.
-        rows = len(acc)  # every row's rounds (plain decoding: its steps)
+        rows = sum(prompt_rounds)  # every row's rounds (plain decoding: its steps)
         res.update(launched_rounds=launched, row_rounds=rows, batch_fill=rows / (batch * launched),
-                   ms_per_launched_round=1000.0 * secs / launched)
+                   ms_per_launched_round=1000.0 * secs / launched, prompt_rounds=prompt_rounds,
+                   prompt_tokens=prompt_tokens)
     if not continuous and len(prompts) % batch:
         # a last batch of fewer rows costs AR nearly a full batch's steps for fewer tokens, while speculative rows
         # shorten it as at batch 1: the ratio over AR reads high (12-02c's 10 prompts at batch 8: 2.02x against

@@ -561,3 +561,47 @@ def test_round_cost_splits_a_batch_ratio_into_tokens_a_row_round_fill_and_round_
     assert split["launched"] == pytest.approx((600 / 512) / (450 / 170))
     text = round_cost.table([ar, tree], [("engine_tree@8", "engine_ar@8")])
     assert f"| {1140 / (8 * 170):.3f} | {450 / 170:.4f} |" in text
+
+
+def test_batch_fill_replays_the_engines_batches_from_each_prompts_rounds(tmp_path):
+    """examples/batch_fill.py: from the rounds each prompt's row decodes in alone (batch 1), the rounds the engine
+    launches for static batches and for continuous batching of b rows are predicted exactly (run-ahead off), for
+    plain decoding and for a drafter with lookup, with an EOS that ends some prompts early; benchmark rows record
+    those rounds (`prompt_rounds`, including a last round with no room for a draft, which τ's log leaves out)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import batch_fill
+    from benchmark import run_engine
+    from conftest import build_target
+    from test_engine import _prompts
+
+    from hf_carryover.engine.engine import SpeculativeEngine
+
+    target = build_target("llama", seed=5)
+    prompts = _prompts(7, (13, 3, 9, 1, 6, 11, 4))
+    eos = SpeculativeEngine(target, None, max_len=64).generate(prompts[:1], max_new_tokens=12)[0][4]
+    kw = dict(max_new_tokens=12, eos_token_id=eos)
+    for drafter, lookup in ((None, None), (build_drafter(target, "dflash", True), 3)):
+        engine = SpeculativeEngine(target, drafter, max_len=64, run_ahead=False)
+        kw["prompt_lookup_num_tokens"] = lookup
+        rounds = []
+        for p in prompts:
+            engine.generate([p], **kw)
+            rounds.append(engine.last_launched)
+        assert len(set(rounds)) > 1  # the EOS ended some prompts early
+        for b in (2, 3):
+            launched = 0
+            for i in range(0, len(prompts), b):
+                engine.generate(prompts[i : i + b], **kw)
+                launched += engine.last_launched
+            assert batch_fill.static_rounds(rounds, b) == launched
+            engine.generate(prompts, batch_size=b, **kw)
+            assert batch_fill.continuous_rounds(rounds, b) == engine.last_launched
+            assert batch_fill.continuous_rounds(rounds, b) < batch_fill.static_rounds(rounds, b)
+        row = run_engine(engine, prompts, 12, 3, eos, lookup=lookup)
+        assert row["prompt_rounds"] == rounds and row["batch_fill"] == batch_fill.fill(rounds, 3, False)
+    raw = tmp_path / "bench_raw.jsonl"
+    raw.write_text(json.dumps({"method": "m@1", "dataset": "d", "prompt_rounds": [4, 1, 1, 4]}) + "\n"
+                   + json.dumps({"method": "ar@1", "dataset": "d", "prompt_rounds": [2, 2, 2, 2]}) + "\n")
+    text = batch_fill.main([str(raw), "--batch", "2", "--vs", "ar@1"])
+    assert "| 0 | d | m@1 | 4 | 2 | 0.625 | 0.833 |" in text  # static: 10 / (2 x 8); continuous: 10 / (2 x 6)
+    assert "| 0 | d | m@1 | 4 | 2 | 0.625 | 0.833 |\n" in text and "| 0 | d | ar@1 | 4 | 2 | 1.000 | 1.000 |" in text

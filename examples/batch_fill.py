@@ -1,0 +1,110 @@
+"""How full a batch of b rows stays, from each prompt's own rounds: static batches and continuous batching, any b, no
+decoding. Reads the `prompt_rounds` that `examples/benchmark.py` engine rows record (since 12-04g), writes a Markdown
+table.
+
+Why: at batch b a speculative row's speed over AR is (tokens a row round) × fill × b / (cost of a round of the batch)
+(`examples/round_cost.py`), and the fill depends only on how many rounds each prompt needs: the engine gives a prompt
+the same tokens and rounds whichever rows share its batch (tested, `tests/test_engine_continuous.py`). So one batch-1
+run gives the fill of every batch size and batching, e.g. of batch 8 over 80 prompts, which a GPU run would pay
+minutes of compile and decoding for.
+
+  * static batches: prompts in consecutive groups of b; a batch runs as many rounds as its slowest row;
+  * continuous batching (`SpeculativeEngine.generate(prompts, batch_size=b)`): b rows; a row that finishes takes the
+    next waiting prompt before the next round (the engine refills between rounds, launching none for it).
+fill = (sum of the prompts' rounds) / (b × rounds launched). Run-ahead rounds (one a static call where the engine runs
+ahead) are not counted here.
+
+    python examples/batch_fill.py examples/results/cpu-2026-12-04g/b1_mtbench80/bench_raw.jsonl --batch 8 16 \
+        --prompts 16 80 --vs engine_ar@1
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import sys
+from pathlib import Path
+
+
+def static_rounds(rounds: list[int], b: int) -> int:
+    """Rounds launched serving `rounds` (one count per prompt, in order) in static batches of b."""
+    return sum(max(rounds[i : i + b]) for i in range(0, len(rounds), b))
+
+
+def continuous_rounds(rounds: list[int], b: int) -> int:
+    """Rounds launched serving the prompts through b rows refilled in order as they finish."""
+    ends = [0] * min(b, len(rounds))  # the round after which each row is free
+    heapq.heapify(ends)
+    last = 0
+    for r in rounds:
+        start = heapq.heappop(ends)  # the row that frees first takes the next prompt
+        end = start + r
+        last = max(last, end)
+        heapq.heappush(ends, end)
+    return last
+
+
+def fill(rounds: list[int], b: int, continuous: bool) -> float:
+    launched = continuous_rounds(rounds, b) if continuous else static_rounds(rounds, b)
+    return sum(rounds) / (b * launched) if launched else 1.0
+
+
+def load(paths) -> list[dict]:
+    """Rows with `prompt_rounds`, each with `file` (its index in `paths`); failed rows are skipped."""
+    rows = []
+    for i, path in enumerate(paths):
+        for line in Path(path).read_text().splitlines():
+            r = json.loads(line) if line.strip() else {}
+            if r.get("prompt_rounds") and not r.get("error"):
+                rows.append({**r, "file": i})
+    return rows
+
+
+def table(rows, batches, prompts, vs=None) -> str:
+    lines = ["| file | dataset | method | prompts | b | static fill | continuous fill |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for n in prompts:
+            sub = r["prompt_rounds"][:n]
+            for b in batches:
+                lines.append(f"| {r['file']} | {r['dataset']} | {r['method']} | {len(sub)} | {b} | "
+                             f"{fill(sub, b, False):.3f} | {fill(sub, b, True):.3f} |")
+    if vs:
+        lines += ["", f"Fill factor against {vs} (same file and dataset; above 1 the batch favours the method):", "",
+                  "| file | dataset | method | prompts | b | static | continuous |", "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            base = next((x for x in rows if x["method"] == vs and (x["file"], x["dataset"]) == (r["file"], r["dataset"])),
+                        None)
+            if base is None or base is r:
+                continue
+            for n in prompts:
+                a, o = r["prompt_rounds"][:n], base["prompt_rounds"][:n]
+                for b in batches:
+                    lines.append(f"| {r['file']} | {r['dataset']} | {r['method']} | {len(a)} | {b} | "
+                                 f"{fill(a, b, False) / fill(o, b, False):.3f} | "
+                                 f"{fill(a, b, True) / fill(o, b, True):.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("raw", nargs="+", help="bench_raw.jsonl files with engine rows")
+    p.add_argument("--batch", type=int, nargs="+", default=[8])
+    p.add_argument("--prompts", type=int, nargs="+", default=[10 ** 9], help="the first N prompts of each row")
+    p.add_argument("--vs", help="a method to divide each row's fill by, e.g. engine_ar@1")
+    p.add_argument("--out", help="also write the table here")
+    args = p.parse_args(argv)
+    if min(args.batch) < 1 or min(args.prompts) < 1:
+        p.error("--batch and --prompts take positive integers")
+    rows = load(args.raw)
+    if not rows:
+        p.error(f"{args.raw}: no engine row records prompt_rounds (benchmark.py rows since 12-04g)")
+    text = table(rows, args.batch, args.prompts, args.vs)
+    sys.stdout.write(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
