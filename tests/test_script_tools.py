@@ -599,6 +599,22 @@ def test_batch_fill_replays_the_engines_batches_from_each_prompts_rounds(tmp_pat
             assert batch_fill.continuous_rounds(rounds, b) < batch_fill.static_rounds(rounds, b)
         row = run_engine(engine, prompts, 12, 3, eos, lookup=lookup)
         assert row["prompt_rounds"] == rounds and row["batch_fill"] == batch_fill.fill(rounds, 3, False)
+    # the rows' rounds from τ's log and the output (`benchmark.occupied_rounds`) with a trained drafter, whose rounds
+    # accept drafts, and EOS tokens that end rows inside an accepted block: every launched round is counted
+    from benchmark import occupied_rounds
+    from test_engine import _greedy_refs, _trained_setup
+
+    target, drafter, prompts, max_new, _ = _trained_setup("dflash", True, steps=60)
+    engine = SpeculativeEngine(target, drafter, max_len=96, run_ahead=False)
+    accepted = 0
+    for lookup in (None, 4):
+        for at in (3, 8, 17):
+            eos = _greedy_refs(target, prompts[:1], 20)[0][at]
+            for p in prompts:
+                out = engine.generate([p], max_new_tokens=max_new, eos_token_id=eos, prompt_lookup_num_tokens=lookup)
+                assert occupied_rounds(engine.rounds[0], out[0]) == engine.last_launched
+                accepted += sum(engine.rounds[0])
+    assert accepted > 0
     raw = tmp_path / "bench_raw.jsonl"
     raw.write_text(json.dumps({"method": "m@1", "dataset": "d", "prompt_rounds": [4, 1, 1, 4]}) + "\n"
                    + json.dumps({"method": "ar@1", "dataset": "d", "prompt_rounds": [2, 2, 2, 2]}) + "\n")
