@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from round_cost import load_rows  # noqa: E402
 
 
 def static_rounds(rounds: list[int], b: int) -> int:
@@ -51,14 +53,9 @@ def fill(rounds: list[int], b: int, continuous: bool) -> float:
 
 
 def load(paths) -> list[dict]:
-    """Rows with `prompt_rounds`, each with `file` (its index in `paths`); failed rows are skipped."""
-    rows = []
-    for i, path in enumerate(paths):
-        for line in Path(path).read_text().splitlines():
-            r = json.loads(line) if line.strip() else {}
-            if r.get("prompt_rounds") and not r.get("error"):
-                rows.append({**r, "file": i})
-    return rows
+    """Rows with `prompt_rounds`, each with `file` (its index in `paths`), read as `round_cost.load_rows` reads them
+    (failed rows skipped)."""
+    return [r for r in load_rows(paths) if r.get("prompt_rounds")]
 
 
 def table(rows, batches, prompts, vs=None) -> str:

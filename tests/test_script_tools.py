@@ -616,8 +616,9 @@ def test_batch_fill_replays_the_engines_batches_from_each_prompts_rounds(tmp_pat
                 accepted += sum(engine.rounds[0])
     assert accepted > 0
     raw = tmp_path / "bench_raw.jsonl"
-    raw.write_text(json.dumps({"method": "m@1", "dataset": "d", "prompt_rounds": [4, 1, 1, 4]}) + "\n"
-                   + json.dumps({"method": "ar@1", "dataset": "d", "prompt_rounds": [2, 2, 2, 2]}) + "\n")
+    timed = {"dataset": "d", "tokens": 16, "seconds": 1.0, "tok_per_s": 16.0}  # what every benchmark row holds
+    raw.write_text(json.dumps({"method": "m@1", "prompt_rounds": [4, 1, 1, 4], "tau": 1.6, **timed}) + "\n"
+                   + json.dumps({"method": "ar@1", "prompt_rounds": [2, 2, 2, 2], **timed}) + "\n")
     text = batch_fill.main([str(raw), "--batch", "2", "--vs", "ar@1"])
     assert "| 0 | d | m@1 | 4 | 2 | 0.625 | 0.833 |" in text  # static: 10 / (2 x 8); continuous: 10 / (2 x 6)
     assert "| 0 | d | m@1 | 4 | 2 | 0.625 | 0.833 |\n" in text and "| 0 | d | ar@1 | 4 | 2 | 1.000 | 1.000 |" in text

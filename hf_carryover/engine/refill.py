@@ -133,7 +133,7 @@ class RowPrefill:
                 torch._dynamo.maybe_mark_dynamic(tokens, 1)
             self._fill_fn(tokens, logits)
         except Exception as e:  # noqa: BLE001  (whatever the dynamic compile raised; the static one may still work)
-            if not (self.dynamic_width and self._fill_fn is not self._fill):
+            if not self.dynamic_width:  # (set only for a compiled prefill)
                 raise
             warnings.warn(f"compiling the row prefill over a dynamic prompt width failed; compiling it per width "
                           f"bucket from now on: {type(e).__name__}: {e}", stacklevel=3)
