@@ -164,31 +164,16 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         are cut into parts of that many, each walked by its own program at the same time, and the last to finish folds
         their results together; 0: one program walks them all) and `attention_block_m` ((query row, head) pairs a
         program; 0: all of a K/V head's, up to 64). It needs Triton and a CUDA target (the CPU tests run it in
-        Triton's interpreter). The defaults ("dense", 16 pairs a program) were the fastest of 14 settings at 47 query
-        rows on the H200 (`trainer/gpu_attention_bench.py`, `examples/results/h200-2026-12-04d`): 5.0 / 7.3 us a layer
-        with 150 / 400 keys in use, against 8.6 / 12.2 for the previous ("scan", all 141 pairs of a K/V head in one
-        program of 64) and 14.2 for SDPA; the kernel is latency-bound here, so more, smaller programs and loads that
-        do not wait on a branch pay.
-        "auto" (the default) takes "triton" for a bf16 or fp16 target on CUDA when Triton is installed, else "sdpa". On
-        the H200 (bf16, batch 1, the kernel for every call) a 31-node tree + lookup round took 1.77 instead of 2.02 ms
-        and a plain step 1.05 instead of 1.08 ms (`examples/results/h200-2026-12-03b`). In fp32 the kernel is exact (no
-        TF32: fp32 greedy decoding on the H200 equalled plain decoding) but slow (47 query rows: 887 against 29 us a
-        layer), so "auto" leaves fp32 targets on SDPA. Why the splits: without them one program walks a row block's keys
-        one block after another, about 2.8 us per 128 keys at one query row, so with 1800 keys in use of 2048 a layer
-        took 40.8 us against SDPA's 6.9; with 256-key parts 12.0 (`examples/results/h200-2026-12-03c`).
+        Triton's interpreter). The defaults were the fastest of 14 settings at 47 query rows on the H200
+        (`trainer/gpu_attention_bench.py`, `examples/results/h200-2026-12-04d`; the measurements behind every
+        setting are in `triton_attention.py`'s docstring).
+        "auto" (the default) takes "triton" for a bf16 or fp16 target on CUDA when Triton is installed, else "sdpa":
+        in fp32 the kernel is exact (no TF32) but slow, so fp32 targets stay on SDPA.
         `attention_min_rows`: calls with fewer query rows go to SDPA. "auto" sets 2, so plain decoding steps (one row)
-        stay on SDPA, whose cost at one row hardly depends on the cache (6.6-6.9 us a layer for 200 to 1800 keys in
-        use), while the kernel's grows with the keys in use (6.0 us at 200, 8.1 at 400, 12.0 at 1800, 256-key parts;
-        with the "dense" defaults 4.9 at 150 and 7.0 at 400, `h200-2026-12-04d`). End to end on 80 HumanEval / MT-Bench
-        prompts with 256 new tokens at most, plain steps on the kernel (attention_min_rows=1) ran 4.0 % / 5.0 % faster
-        (`h200-2026-12-04e`); kept on SDPA for the long contexts where its flat cost wins. For 47 rows (a tree round)
-        the kernel was faster at every length measured (8.6 / 12.1 / 20.3 us against SDPA's 14.1 / 14.1 / 34.2; the
-        "dense" defaults 5.0 / 7.3 at 150 / 400 keys). attention="triton" sets 1 (the kernel for every call it takes).
-        The choice costs at short contexts: in a profile of 3 MT-Bench prompts a plain step's SDPA took 7.1 us a layer
-        (0.214 ms a step, `examples/results/h200-2026-12-03d`), where the kernel had taken 0.184 ms a step on other
-        prompts (12-03c).
-        And SDPA at one row (cuDNN) is not run-to-run deterministic in bf16 on the H200: in 38 of 46 benchmark rows
-        of plain decoding on it, repeated passes decoded different texts, never on the kernel (12-03d's
+        stay on SDPA, whose cost at one row hardly depends on the cache, while the kernel's grows with the keys in use;
+        at the benchmarks' short contexts the kernel for one-row steps (attention_min_rows=1) was 4-5 % faster end to
+        end (`h200-2026-12-04e`), at 1800 keys in use SDPA was (`h200-2026-12-03c`). attention="triton" sets 1.
+        SDPA at one row (cuDNN) is not run-to-run deterministic in bf16 on the H200 (12-03d's
         `pass_determinism.txt`); attention="triton" gives reproducible bf16 plain decoding.
 
         run_ahead=True: the decode loop keeps one round queued ahead of its one read per round (`graphs.run_ahead`),
