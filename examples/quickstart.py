@@ -36,8 +36,13 @@ SHIPPED = ["smollm2-135m-instruct-dflash-carryover", "smollm2-135m-instruct-mark
 
 
 def find_drafter(arg):
-    if arg:
-        return Path(arg)
+    if arg:  # a drafter folder, or a Hub repo id ("namespace/name")
+        path = Path(arg).expanduser()
+        if path.exists() or arg.startswith(("/", ".", "~")) or arg.count("/") != 1:
+            if not (path / "config.json").exists():
+                raise SystemExit(f"--drafter {arg}: no drafter folder there (no config.json); pass a folder written "
+                                 "by save_pretrained (e.g. model_cards/<name>) or a Hub repo id 'namespace/name'.")
+        return path
     root = Path(__file__).resolve().parents[1] / "model_cards"
     for name in SHIPPED:
         if (root / name / "config.json").exists() and (root / name / "model.safetensors").exists():
@@ -76,9 +81,9 @@ def main():
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    folder = find_drafter(args.drafter)  # a wrong --drafter is refused before the target loads
     target, tokenizer = hf_carryover.reference_target(dtype=dtype)
     target.to(device)
-    folder = find_drafter(args.drafter)
     if folder is None:
         print("!! No drafter folder in model_cards/ (a sparse or partial checkout?): using a RANDOMLY INITIALISED\n"
               "!! DFlash drafter with Carryover. Expect τ ≈ 1 and a slowdown; this run shows the output is unchanged.")

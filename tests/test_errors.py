@@ -134,3 +134,37 @@ def test_rebinding_follows_replaced_target_parts():
     drafter._target_parts = {**drafter._target_parts, "target_id": id(other)}
     with pytest.raises(ValueError, match="fingerprint"):
         drafter.bind_target(other)
+
+
+def test_engine_refuses_bad_prompts_by_name():
+    """The engine's prompts and sampling arguments are checked before anything runs: each error names the argument,
+    the prompt and the value (they used to surface inside a round as a reshape, embedding or index error)."""
+    from hf_carryover.engine.engine import SpeculativeEngine
+
+    target = build_target("llama")
+    engine = SpeculativeEngine(target, build_drafter(target, "dflash", True), max_len=64)
+    ok = make_prompt(6)[0].tolist()
+    cases = [
+        ([ok, []], r"prompts\[1\] is empty"),
+        ([ok, [3, VOCAB]], rf"prompts\[1\] holds token id {VOCAB}, outside the target's vocabulary of {VOCAB}"),
+        ([[-1, 3]], r"prompts\[0\] holds token id -1"),
+        (ok, r"prompts\[0\] is int, not a sequence of token ids"),  # one flat prompt: ambiguous, so refused
+        (torch.tensor(ok), r"a tensor of prompts is \[batch, length\], got shape \(6,\)"),
+        ([torch.tensor([ok])], r"prompts\[0\]: a 1-D sequence of token ids, got a tensor of shape \(1, 6\)"),
+        ([], "at least one prompt"),
+        ("hello", "a list of token-id lists"),
+    ]
+    for prompts, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            engine.generate(prompts, max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"max_new_tokens=0: at least 1"):
+        engine.generate([ok], max_new_tokens=0)
+    with pytest.raises(ValueError, match=r"temperature=0.0 with do_sample=True"):
+        engine.generate([ok], max_new_tokens=4, do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match=rf"draft tree with rank {VOCAB}: the drafter ranks {VOCAB} tokens"):
+        engine.generate([ok], max_new_tokens=4, tree=[[0], [VOCAB]])
+    # what is accepted: a [batch, length] tensor is its rows, 1-D tensors are prompts, greedy ignores temperature=0
+    rows = make_prompt(6).repeat(2, 1)
+    want = engine.generate(rows.tolist(), max_new_tokens=5)
+    assert engine.generate(rows, max_new_tokens=5) == want
+    assert engine.generate(list(rows), max_new_tokens=5, temperature=0.0) == want

@@ -622,3 +622,17 @@ def test_batch_fill_replays_the_engines_batches_from_each_prompts_rounds(tmp_pat
     text = batch_fill.main([str(raw), "--batch", "2", "--vs", "ar@1"])
     assert "| 0 | d | m@1 | 4 | 2 | 0.625 | 0.833 |" in text  # static: 10 / (2 x 8); continuous: 10 / (2 x 6)
     assert "| 0 | d | m@1 | 4 | 2 | 0.625 | 0.833 |\n" in text and "| 0 | d | ar@1 | 4 | 2 | 1.000 | 1.000 |" in text
+
+
+def test_quickstart_refuses_a_missing_drafter_folder(tmp_path):
+    """README command 1's `--drafter`: a path that holds no drafter is refused by name before the target loads; a Hub
+    repo id ("namespace/name") and a saved folder pass through."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from quickstart import find_drafter
+
+    for bad in (str(tmp_path / "nope"), "./nope", "a/b/c", str(tmp_path)):
+        with pytest.raises(SystemExit, match="no drafter folder there"):
+            find_drafter(bad)
+    assert find_drafter("someone/some-drafter") == Path("someone/some-drafter")
+    (tmp_path / "config.json").write_text("{}")
+    assert find_drafter(str(tmp_path)) == tmp_path

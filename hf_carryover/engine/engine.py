@@ -47,6 +47,7 @@ from .triton_attention import available as triton_available
 from .triton_attention import check_settings as check_triton_settings
 from .fuse_projections import FuseSharedInputMatmuls
 from .graphs import capture_round, install_output_hooks, run_ahead
+from .inputs import check_decoding, prompt_lists
 from .linear_round import LinearRounds
 from .refill import RowPrefill
 from .rope_table import build_rope_tables, use_rope_tables
@@ -357,7 +358,8 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
     @_decoding
     def generate(self, prompts, max_new_tokens=256, do_sample=False, temperature=1.0, eos_token_id=None, seed=0,
                  prompt_lookup_num_tokens=None, tree=None, tree_nodes=None, batch_size=None):
-        """prompts: list of token-id lists. Returns a list of generated token lists (prompt excluded), in prompt order.
+        """prompts: token-id lists or a [batch, length] tensor (`inputs.prompt_lists`). Returns, in prompt order,
+        the generated token lists (prompt excluded).
 
         prompt_lookup_num_tokens=N: context lookup (module docstring), transformers' argument name as in the
         generate() path; with a drafter it proposes at most its block, without one N tokens a round. After the call
@@ -385,9 +387,9 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
             lookup = int(prompt_lookup_num_tokens)
         if batch_size is not None and int(batch_size) < 1:
             raise ValueError(f"batch_size={batch_size}: at least one row (None: every prompt in one batch).")
-        if not prompts:
-            raise ValueError("generate() needs at least one prompt.")
         t = self.target
+        prompts = prompt_lists(prompts, t.get_input_embeddings().num_embeddings)  # bad prompts refused by name
+        check_decoding(max_new_tokens, do_sample, temperature)
         dev = next(t.parameters()).device
         dtype = next(t.parameters()).dtype
         gen = torch.Generator(device=dev).manual_seed(seed)

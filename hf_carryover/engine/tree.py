@@ -123,6 +123,9 @@ def fit_tree(tree, drafter, nodes=None) -> TreeSpec:
     if tree.max_depth > drafter.config.num_proposals:
         raise ValueError(f"draft tree of depth {tree.max_depth}: this drafter proposes "
                          f"{drafter.config.num_proposals} tokens a block.")
+    if tree.max_rank > drafter.config.vocab_size:
+        raise ValueError(f"draft tree with rank {tree.max_rank - 1}: the drafter ranks {drafter.config.vocab_size} "
+                         "tokens.")
     if nodes is not None and not 1 <= int(nodes) <= tree.num_nodes:
         raise ValueError(f"tree_nodes={nodes}: between 1 and the tree's {tree.num_nodes} nodes (None: all).")
     return tree
