@@ -636,3 +636,27 @@ def test_quickstart_refuses_a_missing_drafter_folder(tmp_path):
     assert find_drafter("someone/some-drafter") == Path("someone/some-drafter")
     (tmp_path / "config.json").write_text("{}")
     assert find_drafter(str(tmp_path)) == tmp_path
+
+
+def test_draw_boundary_names_the_mass_between_two_parted_draws():
+    """gpu_engine_check's diagnosis of two sampled runs that part: the target's distribution after the common prefix,
+    the two tokens' probabilities and the mass between them in vocabulary order (zero for neighbours across one
+    boundary of the inverse CDF, which is what a rounding change can move a draw across)."""
+    sys.path.insert(0, str(ROOT / "trainer"))
+    from conftest import build_target
+    from gpu_engine_check import draw_boundary
+
+    target = build_target()
+    prompts = [[3, 4], [5, 6, 7]]
+    ref = [[8, 9, 10], [11, 12, 13, 14]]
+    with torch.no_grad():
+        probs = target(torch.tensor([[5, 6, 7, 11, 12]])).logits[0, -1].float().softmax(-1)
+    for other, between in ((14, 0.0), (17, probs[14:17].sum().item()), (10, probs[11:13].sum().item())):
+        out = [ref[0], [11, 12, other, 1]]
+        got = draw_boundary(target, prompts, ref, out)
+        assert got["at"] == [1, 2] and got["tokens"] == [13, other]
+        assert got["p"] == pytest.approx([probs[13].item(), probs[other].item()], rel=1e-5)
+        assert got["mass_between"] == pytest.approx(between, abs=1e-7)
+        assert got["cdf_at_boundary"] == pytest.approx(probs[:min(13, other) + 1].sum().item(), rel=1e-5)
+    assert draw_boundary(target, prompts, ref, [list(x) for x in ref]) is None  # equal runs
+    assert draw_boundary(target, prompts, ref, [ref[0], ref[1][:2]]) is None  # one run ended first

@@ -395,6 +395,7 @@ def test_gpu_engine_check_tiny_cpu(tmp_path, monkeypatch):
     summary = json.loads(out.read_text())
     rows = summary["rows"]
     assert all(r["graph_sampled_same_tokens"] for r in rows if r["dtype"] == "fp32")
+    assert all(r["graph_sampled_boundary"] is None for r in rows if r["dtype"] == "fp32")  # nothing parted
     assert all(r["graph_sampled_tok_per_s"] > 0 for r in rows if r["dtype"] == "bf16")
     assert [(r["dtype"], r["method"], r["batch"]) for r in rows] == [
         (d, m, b) for d in ("fp32", "bf16") for m in ("ar", "dflash") for b in (1, 4)]

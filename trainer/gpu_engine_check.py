@@ -85,6 +85,27 @@ def first_diff(ref, out):
     return None
 
 
+def draw_boundary(target, prompts, ref, out, temperature=1.0):
+    """Where two sampled runs with the same uniforms first part: the target's own distribution there (fp32, eager,
+    from the common prefix) and the probability mass between the two tokens in vocabulary order, or None.
+
+    Why: `sampling.inverse_cdf` walks the vocabulary in index order, so a round whose probabilities moved by rounding
+    (another kernel, fused or captured) changes a draw only if its uniform lies within about that rounding of a
+    boundary between two tokens, and the two picks are then neighbours across that boundary: the mass between them
+    is (nearly) zero. A bug that moves draws would part at unrelated tokens."""
+    at = first_diff(ref, out)
+    if at is None or at[1] >= min(len(ref[at[0]]), len(out[at[0]])):
+        return None  # equal, or one run ended first (no second token to compare)
+    r, j = at
+    a, b = ref[r][j], out[r][j]
+    ids = torch.tensor([list(prompts[r]) + list(ref[r][:j])], device=target.device)
+    with torch.no_grad():
+        probs = (target(ids).logits[0, -1].float() / temperature).softmax(-1)
+    lo, hi = min(a, b), max(a, b)
+    return {"at": at, "tokens": [a, b], "p": [probs[a].item(), probs[b].item()],
+            "mass_between": probs[lo + 1:hi].sum().item(), "cdf_at_boundary": probs[:lo + 1].sum().item()}
+
+
 def sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -275,6 +296,7 @@ def main():
                         out_g = graph.generate(sets[0], **kw)
                         row.update({"graph_sampled_same_tokens": out_g == ref_s and graph.rounds == eager.rounds,
                                     "graph_sampled_first_diff_at": first_diff(ref_s, out_g),
+                                    "graph_sampled_boundary": draw_boundary(target, sets[0], ref_s, out_g),
                                     "graph_sampled_mode": graph.last_mode,
                                     "graph_sampled_skipped_drafts": graph.skipped_drafts})
                         if args.lookup:  # where a sampled lookup run parts from the eager one: lengths and rounds
@@ -293,7 +315,8 @@ def main():
                                                    lookup_skips_drafter=False)
                             out_a = ga.generate(sets[0], **kw)
                             row.update({"graph_always_sampled_same_tokens": out_a == ref_s,
-                                        "graph_always_sampled_first_diff_at": first_diff(ref_s, out_a)})
+                                        "graph_always_sampled_first_diff_at": first_diff(ref_s, out_a),
+                                        "graph_always_sampled_boundary": draw_boundary(target, sets[0], ref_s, out_a)})
                         if "eager_skip" in built:  # sampled rounds that skip the drafter, eagerly
                             out_e = built["eager_skip"].generate(sets[0], **kw)
                             row.update({"eager_skip_sampled_same_tokens": out_e == ref_s,
@@ -305,6 +328,7 @@ def main():
                             out_s = built["graph_compile"].generate(sets[0], **kw)
                             row.update({"compile_sampled_same_tokens": out_s == ref_s,
                                         "compile_sampled_first_diff_at": first_diff(ref_s, out_s),
+                                        "compile_sampled_boundary": draw_boundary(target, sets[0], ref_s, out_s),
                                         "compile_sampled_mode": built["graph_compile"].last_mode})
                     else:  # speed: warm-up call (captures the graph), then timed calls over both prompt sets
                         first = {}
