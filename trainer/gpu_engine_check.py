@@ -178,6 +178,7 @@ def main():
         p.error("--tiny shrinks the random target; it does not apply to --target")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     from benchmark import parse_engine_options, parse_inductor_options
+    from evaluate_tau import environment
     compile_options = parse_inductor_options(args.inductor) or None
     engine_options = parse_engine_options(args.engine_options)
     if "attention" in engine_options:
@@ -194,7 +195,7 @@ def main():
     shape = TINY if args.tiny else {}
     res = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else args.device,
            "torch": torch.__version__, "transformers": transformers.__version__,
-           "commit": os.environ.get("HF_CARRYOVER_COMMIT", "unknown"), "tiny": args.tiny,
+           "commit": environment()["commit"], "tiny": args.tiny,
            "compile_options": args.inductor, "engine_options": engine_options, "max_new_tokens": max_new,
            "target": args.target or "random SmolLM2-shaped",
            "drafter": args.drafter or "random dflash (Carryover on)",
