@@ -168,3 +168,4 @@ def test_engine_refuses_bad_prompts_by_name():
     want = engine.generate(rows.tolist(), max_new_tokens=5)
     assert engine.generate(rows, max_new_tokens=5) == want
     assert engine.generate(list(rows), max_new_tokens=5, temperature=0.0) == want
+    assert engine.generate(rows.numpy(), max_new_tokens=5) == want  # NumPy arrays too

@@ -10,18 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
+
+def _is_array(x) -> bool:
+    """A torch tensor or a NumPy array (both have `ndim` and `tolist`)."""
+    return hasattr(x, "ndim") and hasattr(x, "tolist") and not isinstance(x, (list, tuple))
 
 
 def prompt_lists(prompts, vocab_size: int) -> list[list[int]]:
     """`prompts` as a list of token-id lists, or a ValueError that says what is wrong with which prompt.
 
-    Accepted: a list (or tuple) of token-id sequences (lists, tuples or 1-D tensors), or a 2-D tensor whose rows are
-    prompts of one length (as `tokenizer(..., return_tensors="pt").input_ids` gives without padding). Refused: a
-    single flat prompt (a list of ints or a 1-D tensor: wrap it as `[ids]`, since a flat list is ambiguous with a
-    list of one-token prompts), an empty prompt, and ids outside [0, vocab_size)."""
-    if isinstance(prompts, torch.Tensor):
-        if prompts.dim() != 2:
+    Accepted: a list (or tuple) of token-id sequences (lists, tuples, 1-D tensors or arrays), or a 2-D tensor or
+    array whose rows are prompts of one length (as `tokenizer(..., return_tensors="pt").input_ids` gives without
+    padding). Refused: a single flat prompt (a list of ints or a 1-D tensor: wrap it as `[ids]`, since a flat list
+    is ambiguous with a list of one-token prompts), an empty prompt, and ids outside [0, vocab_size)."""
+    if _is_array(prompts):
+        if prompts.ndim != 2:
             raise ValueError(f"prompts: a tensor of prompts is [batch, length], got shape {tuple(prompts.shape)} "
                              "(one prompt: prompts=[ids] or ids[None]).")
         prompts = prompts.tolist()
@@ -31,8 +34,8 @@ def prompt_lists(prompts, vocab_size: int) -> list[list[int]]:
         raise ValueError("generate() needs at least one prompt.")
     out = []
     for i, p in enumerate(prompts):
-        if isinstance(p, torch.Tensor):
-            if p.dim() != 1:
+        if _is_array(p):
+            if p.ndim != 1:
                 raise ValueError(f"prompts[{i}]: a 1-D sequence of token ids, got a tensor of shape {tuple(p.shape)}.")
             p = p.tolist()
         elif isinstance(p, (int, bool)) or not isinstance(p, Sequence):
