@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from round_cost import load_rows  # noqa: E402
+from round_cost import emit, load_rows  # noqa: E402
 
 
 def static_rounds(rounds: list[int], b: int) -> int:
@@ -96,11 +96,7 @@ def main(argv=None):
     rows = load(args.raw)
     if not rows:
         p.error(f"{args.raw}: no engine row records prompt_rounds (benchmark.py rows since 12-04g)")
-    text = table(rows, args.batch, args.prompts, args.vs)
-    sys.stdout.write(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    return text
+    return emit(table(rows, args.batch, args.prompts, args.vs), args.out)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,14 @@ def table(rows, pairs=()) -> str:
     return "\n".join(lines) + "\n"
 
 
+def emit(text: str, out=None) -> str:
+    """Print a Markdown table and, with `out` (a script's --out), write it there too; returns it."""
+    sys.stdout.write(text)
+    if out:
+        Path(out).write_text(text)
+    return text
+
+
 def parse_pair(text: str):
     """"A:B" with method names that themselves hold ':' ("engine_tree_lookup31:new@1") -> (A, B): the split is at the
     ':' after the first '@<batch>'."""
@@ -101,11 +109,7 @@ def main(argv=None):
         pairs = [parse_pair(x) for x in args.pair]
     except ValueError as e:
         p.error(str(e))
-    text = table(load_rows(args.raw), pairs)
-    sys.stdout.write(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    return text
+    return emit(table(load_rows(args.raw), pairs), args.out)
 
 
 if __name__ == "__main__":
