@@ -123,9 +123,8 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         compiled and captured too: their uniforms come from the call's `torch.Generator` outside the round, the
         same stream in every mode, so a seed gives the eager round's tokens (tested on CPU with compile; a graph
         replays the eager round's kernels, which `trainer/gpu_engine_check.py` compares on the GPU).
-        A string instead of True names another `torch.compile` backend: "aot_eager" traces the same graphs (graph
-        breaks, guards, recompiles) without inductor's code generation, which takes most of a CPU compile's time,
-        so it is the quick way to debug a compile problem, and what most of the CPU tests use.
+        A string instead of True names another `torch.compile` backend: "aot_eager" traces the same graphs without
+        inductor's code generation (most of a CPU compile's time): the quick way to debug a compile, and the tests'.
 
         compile_options: inductor options for the compiled rounds, on top of `combo_kernels=True` (e.g.
         {"freezing": True}: the weights are compiled in as constants, so projections that read the same input can
@@ -143,18 +142,16 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         last call's rounds that skipped it.
 
         lookup_siblings=True (tree rounds with context lookup): a looked-up token's siblings propose the drafter's
-        ranking without that token (`tree.node_ranks`). False gives them their own ranks, as before 2026-12-02, so
-        where the lookup displaced the drafter's first choice that choice is verified nowhere; kept for the paired
-        τ comparison of the two (`examples/evaluate_tau.py`'s `lookup_siblings=false`). Both are exact.
+        ranking without that token (`tree.node_ranks`). False gives them their own ranks (before 2026-12-02), so a
+        first choice the lookup displaced is verified nowhere; kept for paired τ comparisons (`evaluate_tau.py`).
 
         lookup_confidence=c (dynamic trees, `tree_nodes`, with context lookup): a looked-up token is scored like a
         drafted one whose drafter probability is at least c (`tree.lookup_chain_lp`), and the lookup is kept only as
         deep as it outscores the drafter's alternatives. None (the default) keeps the whole lookup (up to the round's
-        nodes). Both are exact; they differ in τ, and keeping the whole lookup measured best (`tree.lookup_chain_lp`),
-        so the option stays for such comparisons.
+        nodes), which measured best (`tree.lookup_chain_lp`); both are exact, the option stays for τ comparisons.
 
-        lookup_min_ngram=n (context lookup): the shortest suffix that may match (the longest tried is 4). 3 is the
-        generate() path's rule; 2 finds more lookups, each less often right (`examples/results/cpu-2026-12-03`).
+        lookup_min_ngram=n (context lookup): the shortest suffix that may match (the longest tried is 4); 3 is
+        generate()'s rule; 2 finds more lookups, each less often right (`examples/results/cpu-2026-12-03`).
 
         attention="triton": the target's attention in rounds and row prefills runs through
         `triton_attention.masked_gqa_attention`, which reads only the cached keys some query row sees, instead of
@@ -179,9 +176,9 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
 
         run_ahead=True: the decode loop keeps one round queued ahead of its one read per round (`graphs.run_ahead`),
         so the GPU does not wait for the host between rounds; each call then runs one round more than it needs (a
-        no-op for finished rows). Not with continuous batching's refills, the drafter-skipping lookup variant, phase
-        timing or a `round_hook`: there the next round depends on what the host reads. False: the blocking loop.
-        `self.last_launched` counts the last call's rounds launched.
+        no-op for finished rows). With continuous batching a refilled row idles the one round queued before its
+        refill. Not with the drafter-skipping lookup variant, phase timing or a `round_hook`: there the next round
+        depends on what the host reads. False: the blocking loop. `self.last_launched` counts the rounds launched.
 
         drafter_attention="triton" (with attention="triton"): the drafter's attention in rounds runs through the same
         kernel, which reads only its keys in use (`attention.DrafterKernel`); "sdpa": SDPA over its whole cache;
@@ -481,28 +478,32 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
             if self.round_hook is not None:
                 self.round_hook(st)
 
-        # one round queued ahead of the host (`graphs.run_ahead`) wherever no round depends on the host's read of
-        # the last one: not with refills waiting, a drafter-skipping lookup variant, phase timing or a round hook
-        ahead = self.run_ahead and not waiting and not skip_ok and not self.profile and self.round_hook is None
-        self.last_launched = run_ahead(launch, st.flags) if ahead else 0
-        while not ahead:
-            flags = st.flags.tolist()  # the one host sync per round (outputs stay on the device)
-            all_done, all_look, row_done = flags[0], flags[1], flags[2:]
-            if waiting:  # continuous batching: read out finished rows and give them the next prompts
-                finished = [r for r in range(b) if row_done[r] and slot[r] is not None]
-                if finished:
-                    read_out(finished)
-                    for r in finished[: len(waiting)]:
-                        slot[r] = waiting.pop(0)
-                        refill(r, prompts[slot[r]])
-                    st.set_flags(self._lookup_next(st, lookup) if lookup else torch.zeros_like(st.done[0]))
+        def refill_finished(flags) -> bool:  # continuous batching: finished rows read out, the next prompts in
+            finished = [r for r in range(b) if flags[2 + r] and slot[r] is not None] if waiting else []
+            if finished:
+                read_out(finished)
+                for r in finished[: len(waiting)]:
+                    slot[r] = waiting.pop(0)
+                    refill(r, prompts[slot[r]])
+                st.set_flags(self._lookup_next(st, lookup) if lookup else torch.zeros_like(st.done[0]))
+            return bool(finished)
+
+        # one round queued ahead of the host (`graphs.run_ahead`) unless the next round depends on the host's read of
+        # the last one (the drafter-skipping lookup variant) or the loop is watched (phase timing, a round hook)
+        if self.run_ahead and not skip_ok and not self.profile and self.round_hook is None:
+            self.last_launched = run_ahead(launch, st.flags, refill_finished)
+        else:
+            self.last_launched = 0
+            while True:
+                flags = st.flags.tolist()  # the one host sync per round (outputs stay on the device)
+                if refill_finished(flags):
                     continue
-            if all_done:
-                break
-            draft = not (skip_ok and all_look)
-            self.skipped_drafts += not draft
-            launch(draft)
-            self.last_launched += 1
+                if flags[0]:  # every row done
+                    break
+                draft = not (skip_ok and flags[1])  # flags[1]: every row takes a lookup draft this round
+                self.skipped_drafts += not draft
+                launch(draft)
+                self.last_launched += 1
         read_out([r for r in range(b) if slot[r] is not None])
         self.rounds, self.lookup_rounds = rounds, looked
         return outputs

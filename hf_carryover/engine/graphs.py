@@ -96,7 +96,7 @@ def install_output_hooks(target) -> None:
         target(input_ids=ids, output_hidden_states=True, use_cache=False)
 
 
-def run_ahead(launch, flags: torch.Tensor) -> int:
+def run_ahead(launch, flags: torch.Tensor, on_read=None) -> int:
     """Call `launch()` (one round: a graph replay, or an eager round) until `flags[0]` ("every row done") is set,
     keeping one round queued ahead of the host: round r+1 is launched *before* the host waits for round r's flags.
     Returns the number of rounds launched.
@@ -112,32 +112,53 @@ def run_ahead(launch, flags: torch.Tensor) -> int:
     finished row keeps its tokens, counters and anchor; rows finish at different rounds in any batch, so the rounds
     are written for it), and it costs one round of GPU time per call (~3 % of a 33-round HumanEval call). Still one
     host sync per round. Off CUDA the copies are synchronous and the same order of rounds runs (what the
-    CPU tests check against the blocking loop)."""
+    CPU tests check against the blocking loop).
+
+    `on_read(flags_list)` (continuous batching): called with every round's flags as the host reads them (round r's,
+    while round r+1 is queued); it returns True where it changed the state (finished rows read out and refilled). The
+    refill then lands behind round r+1, which passed over those rows as finished rows (no-ops), so a refilled row
+    idles for one round; the flags read so far are stale after it, so the loop takes fresh ones (one more sync, as
+    the refill's read-out already was) and starts the queue again."""
     on_cuda = flags.is_cuda
     host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=on_cuda)
     ready = torch.cuda.Event() if on_cuda else None
 
-    def post():  # round r's flags to the host, queued behind round r
+    def post():  # the flags of the last round queued, to the host, behind it
         host.copy_(flags, non_blocking=on_cuda)
         if ready is not None:
             ready.record()
 
-    post()
-    if ready is not None:
-        ready.synchronize()
-    if bool(host[0]):  # nothing to decode
-        return 0
-    launch()
-    post()
-    launched = 1
-    while True:
-        launch()  # round r+1, queued behind round r
-        launched += 1
+    def wait():
         if ready is not None:
-            ready.synchronize()  # round r finished (r+1 runs on)
-        if bool(host[0]):
+            ready.synchronize()
+
+    def changed() -> bool:
+        return on_read is not None and bool(on_read(host.tolist()))
+
+    launched = 0
+    post()
+    wait()
+    while True:  # (again) from flags that are up to date: nothing queued
+        if changed():
+            post()
+            wait()
+            continue
+        if bool(host[0]):  # nothing (more) to decode
             return launched
+        launch()
         post()
+        launched += 1
+        while True:
+            launch()  # round r+1, queued behind round r
+            launched += 1
+            wait()  # round r finished (r+1 runs on)
+            if changed():
+                post()  # the flags after round r+1 and the refills
+                wait()
+                break
+            if bool(host[0]):
+                return launched
+            post()
 
 
 __all__ = ["capture_round", "install_output_hooks", "restored", "run_ahead"]
