@@ -320,6 +320,14 @@ def test_graph_path_plumbing_with_eager_stand_in(monkeypatch, typ):
         assert engine.rounds == fresh.rounds and engine.last_mode == "cuda_graph"
     assert len(captured) == 3  # one greedy and one sampled round for this shape; both start the same state
     assert len(prefills) == 1  # every prompt here is in the first width bucket
+    # continuous batching (5 prompts through 2 rows): refilled rows restart through a captured graph of their own
+    # (`DecodeState.restart`, once per state), with the eager engine's tokens and rounds, greedy and sampled
+    prompts = _prompts(5, (6, 3, 8, 2, 5))
+    for kw in (dict(max_new_tokens=20), dict(max_new_tokens=20, do_sample=True, temperature=0.9, seed=7)):
+        fresh = SpeculativeEngine(target, drafter, max_len=96)
+        assert engine.generate(prompts, batch_size=2, **kw) == fresh.generate(prompts, batch_size=2, **kw)
+        assert engine.rounds == fresh.rounds and engine.last_mode == "cuda_graph"
+    assert sum(key[0] == "restart" for key in engine._graphs if isinstance(key, tuple)) == 1
 
 
 def test_row_prefill_is_compiled_with_the_rounds(monkeypatch):

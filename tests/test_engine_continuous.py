@@ -105,33 +105,35 @@ def test_batch_size_errors():
         engine.generate([], batch_size=2)
 
 
-def test_reset_row_loads_one_row_as_start_loads_all():
-    """`DecodeState.reset_row` leaves row r exactly as `stage` + `start` (a call's start) leave a row with that
-    prompt (whatever a finished request left there: stale carryover rows, lookup, round counters) and touches no other
-    row."""
+def test_restart_loads_flagged_rows_as_start_loads_all():
+    """`stage_rows` + `restart` leave row r exactly as `stage` + `start` (a call's start) leave a row with that prompt
+    (whatever a finished request left there: stale carryover rows, lookup, round counters) and touch no other row,
+    flags aside (per batch: recomputed)."""
     target = build_target("llama")
     engine = SpeculativeEngine(target, build_drafter(target, "dflash", True), max_len=64)
-    engine.generate(_prompts(9, (5, 8)), max_new_tokens=10, prompt_lookup_num_tokens=3)
+    engine.generate(_prompts(9, (5, 8, 6)), max_new_tokens=10, prompt_lookup_num_tokens=3)
     (st,) = engine._states.values()
     g = torch.Generator().manual_seed(0)
     own = st.tensors()[:15]  # the state's own tensors (the caches follow)
-    for t in own:  # garbage everywhere, as a finished request might leave it
+    for t in own + [st.prompt, st.plen, st.first]:  # garbage everywhere, as a finished request might leave it
         t.copy_(torch.randint(0, 2, t.shape, generator=g).to(t.dtype) if t.dtype == torch.bool else
                 torch.randint(1, 50, t.shape, generator=g).to(t.dtype))
     before = [t.clone() for t in own]
-    prompt = torch.tensor([4, 9, 2, 7])
-    st.reset_row(1, torch.tensor(11), 4, prompt)
+    prompts = [[4, 9, 2, 7], [8, 1]]
+    st.stage_rows([2, 0], prompts)  # two rows at once, out of order
+    st.first[2], st.first[0] = 11, 12
+    st.restart()
     fresh = [t.clone() for t in own]
-    st.stage([[5, 6], prompt.tolist()], st.eos.clone())
-    st.first.copy_(torch.tensor([3, 11]))
+    st.stage([prompts[1], [5, 6], prompts[0]], st.eos.clone())
+    st.first.copy_(torch.tensor([12, 3, 11]))
     st.start()
-    for name, new, old, ref in zip("anchor anchor_pos n_out done out accepted round carry_valid carry_pos seq looked "
-                                   "look n_look flags carry".split(), fresh, before, own):
-        assert torch.equal(new[0], old[0]), name  # the other row: untouched
-        if name == "seq":
-            new, ref = new[:, :5], ref[:, :5]  # the prompt and the first token; past them nothing is read yet
-        if name != "flags":  # flags are per batch: the caller refreshes them
-            assert torch.equal(new[1], ref[1]), name
+    names = "anchor anchor_pos n_out done out accepted round carry_valid carry_pos seq looked look n_look flags carry"
+    for name, new, old, ref in zip(names.split(), fresh, before, own):
+        if name == "flags":
+            continue
+        assert torch.equal(new[1], old[1]), name  # the other row: untouched
+        assert torch.equal(new[[0, 2]], ref[[0, 2]]), name
+    assert st.flags[2:].tolist() == st.done.tolist()
 
 
 def test_row_prefill_equals_batched_prefill():

@@ -432,8 +432,11 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         st.temperature.fill_(temperature)
         self._start(st, lookup, can_capture)
 
-        def refill(r, p):  # continuous batching: prompt p into row r alone (`refill.py`; captured like the rounds)
-            st.reset_row(r, first_token(prefill(r, p))[0], len(p), torch.tensor(p, device=dev))
+        def refill(rows):  # continuous batching: each row's next prompt prefilled into it (`refill.py`), then all
+            for r in rows:
+                st.first[r : r + 1].copy_(first_token(prefill(r, prompts[slot[r]])))
+            st.stage_rows(rows, [prompts[slot[r]] for r in rows])  # restarted at once (`DecodeState.restart`)
+            self._start(st, lookup, graphs[True] is not None, rows=True)
 
         outputs, rounds, looked = [None] * n, [None] * n, [None] * n
         slot = list(range(b))  # the prompt each row decodes (None: idle, its output read out)
@@ -482,10 +485,10 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
             finished = [r for r in range(b) if flags[2 + r] and slot[r] is not None] if waiting else []
             if finished:
                 read_out(finished)
-                for r in finished[: len(waiting)]:
+                rows = finished[: len(waiting)]  # (waiting is not empty here)
+                for r in rows:
                     slot[r] = waiting.pop(0)
-                    refill(r, prompts[slot[r]])
-                st.set_flags(self._lookup_next(st, lookup) if lookup else torch.zeros_like(st.done[0]))
+                refill(rows)
             return bool(finished)
 
         # one round queued ahead of the host (`graphs.run_ahead`) unless the next round depends on the host's read of
@@ -508,22 +511,20 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         self.rounds, self.lookup_rounds = rounds, looked
         return outputs
 
-    def _begin(self, st: DecodeState, lookup: int) -> None:
-        """Start every row on its staged prompt and compute the first round's lookup (later rounds compute the next
-        one's at their end)."""
-        st.start()
+    def _begin(self, st: DecodeState, lookup: int, rows: bool = False) -> None:
+        """Start every row on its staged prompt (rows=True: those flagged in `st.loading`), then the next lookup."""
+        st.restart() if rows else st.start()
         if lookup:
             st.flags[1] = self._lookup_next(st, lookup)
 
-    def _start(self, st: DecodeState, lookup: int, use_graphs: bool) -> None:
-        """`_begin`, as a graph captured once per state and lookup where the rounds are captured. Why: run eagerly it
-        is 136 small ops at batch 1 with a tree and lookup (`examples/host_overhead.py`, `eager_ops`), each a
-        host-side launch; on the H200's host a call's eager ops around its rounds cost about 7 ms
-        (`examples/results/h200-2026-12-02f`), a tenth of a batch-1 tree call."""
-        begin = functools.partial(self._begin, st, lookup)
+    def _start(self, st: DecodeState, lookup: int, use_graphs: bool, rows: bool = False) -> None:
+        """`_begin`, as a graph captured once per state, lookup and `rows` where the rounds are captured. Why: eagerly
+        it is 136 small ops at batch 1 with a tree and lookup (`examples/host_overhead.py`), each a host-side launch:
+        about 7 ms a call on the H200's host (`h200-2026-12-02f`), a tenth of a batch-1 tree call."""
+        begin = functools.partial(self._begin, st, lookup, rows)
         graph = None
         if use_graphs:
-            graph = self._capture_once(("start", id(st), lookup), st, lambda: begin,
+            graph = self._capture_once(("restart" if rows else "start", id(st), lookup), st, lambda: begin,
                                        "CUDA-graph capture of a call's start failed; starting eagerly")
         if graph is not None and not isinstance(graph, str):
             graph.replay()

@@ -56,6 +56,7 @@ class DecodeState:
         # a call's prompts, staged for `start`: token ids (zeros past each prompt), lengths, first generated tokens.
         # Static so that the start of a call (136 small ops with a tree and the first lookup) can be one replayed graph
         self.prompt, self.plen, self.first = zeros(b, seq_len), zeros(b), zeros(b)
+        self.loading = zeros(b, dtype=torch.bool)  # continuous batching: the rows `restart` loads
 
     def stage(self, prompts: list[list[int]], eos) -> None:
         """Copy a call's first b prompts (token-id lists) and EOS ids `[n_eos]` into the state: one host-to-device copy
@@ -65,37 +66,53 @@ class DecodeState:
         self.plen.copy_(torch.tensor([len(p) for p in prompts]))
         self.eos.copy_(eos)
 
+    def stage_rows(self, rows: list[int], prompts: list[list[int]]) -> None:
+        """Stage new prompts for rows `rows` (continuous batching: their previous requests were read out) and flag
+        those rows for `restart`; `first` of each row is set by the caller from its prefill. Three host-to-device
+        copies whatever the number of rows."""
+        pad = self.prompt.shape[1]
+        idx = torch.tensor(rows, device=self.prompt.device)
+        self.prompt.index_copy_(0, idx, torch.tensor([list(p) + [0] * (pad - len(p)) for p in prompts],
+                                                     device=self.prompt.device))
+        self.plen.index_copy_(0, idx, torch.tensor([len(p) for p in prompts], device=self.plen.device))
+        self.loading.copy_(torch.tensor([r in rows for r in range(self.b)]))
+
     def start(self) -> None:
         """Every row starts its staged prompt (after the call's prefill has set `first`). Reads and writes only this
         state's static tensors, so the engine replays it as a captured graph."""
-        self._load(slice(None), self.first, self.plen, self.prompt)
-        self.set_flags(torch.zeros_like(self.done[0]))
+        self._load(torch.ones_like(self.done))
 
-    def reset_row(self, r: int, anchor, plen: int, prompt) -> None:
-        """Load a new prompt into row r alone (continuous batching: the row's previous request has finished and been
-        read out), as `start` loads every row. `anchor` is a 0-d token tensor, `prompt` `[plen]` the prompt's ids.
-        The other rows are untouched; the caller refreshes `flags` (and the lookup) afterwards."""
-        self._load(slice(r, r + 1), anchor.reshape(1), torch.full((1,), plen, device=self.anchor.device), prompt[None])
+    def restart(self) -> None:
+        """The rows flagged in `loading` start their staged prompts, as `start` starts every row; the other rows are
+        untouched. Static tensors only, so one captured graph serves every refill of a state. Why not row by row
+        from the host: run eagerly, the reset and the lookup after it were ~150 small ops a refill (each a launch on
+        the H200's host, with every row waiting), about as long as two tree rounds at batch 8."""
+        self._load(self.loading)
 
-    def _load(self, rows: slice, anchor, plen, prompt_tokens) -> None:
-        """The per-row part of `reset` for the rows `rows` (a slice, so every write is in place through a view)."""
-        self.seq[rows, : prompt_tokens.shape[1]].copy_(prompt_tokens)
-        self.seq[rows].scatter_(1, plen[:, None], anchor[:, None])
-        self.looked[rows] = False
-        self.anchor[rows] = anchor
-        self.anchor_pos[rows] = plen  # position of the first generated token
-        self.out[rows] = 0
-        self.out[rows, 0] = anchor
-        self.n_out[rows] = 1
-        self.done[rows] = is_eos(anchor, self.eos) | (self.max_new <= 1)  # the first token may end the row
-        self.look[rows] = 0
-        self.n_look[rows] = 0
-        self.accepted[rows] = -1
-        self.round[rows] = 0
+    def _load(self, rows: torch.Tensor) -> None:
+        """Rows flagged in `rows` `[b]` (bool) take their staged prompt: each tensor is rewritten in place, keeping its
+        other rows (`torch.where` on a row mask, shape-static), then the flags."""
+        first, plen = self.first, self.plen
+
+        def put(t, new):  # t[rows] <- new[rows] (new broadcast over t's shape)
+            t.copy_(torch.where(rows.view(-1, *[1] * (t.dim() - 1)), new, t))
+
+        put(self.seq, self.prompt.scatter(1, plen[:, None], first[:, None]))  # prompt, then the first token
+        put(self.looked, False)
+        put(self.anchor, first)
+        put(self.anchor_pos, plen)  # position of the first generated token
+        put(self.out, torch.cat([first[:, None], torch.zeros_like(self.out[:, 1:])], 1))
+        put(self.n_out, 1)
+        put(self.done, is_eos(first, self.eos) | (self.max_new <= 1))  # the first token may end the row
+        put(self.look, 0)
+        put(self.n_look, 0)
+        put(self.accepted, -1)
+        put(self.round, 0)
         if self.carry is not None:  # nothing valid in the first round; any positions do
-            self.carry[rows] = 0
-            self.carry_valid[rows] = False
-            self.carry_pos[rows] = plen[:, None] + torch.arange(1, self.k + 1, device=plen.device)
+            put(self.carry, 0)
+            put(self.carry_valid, False)
+            put(self.carry_pos, plen[:, None] + torch.arange(1, self.k + 1, device=plen.device))
+        self.set_flags(torch.zeros_like(self.done[0]))
 
     def set_flags(self, all_look: torch.Tensor) -> None:
         """`flags` from `done` and the lookup flag (a 0-d bool tensor), in place (also inside a round)."""
