@@ -118,7 +118,8 @@ def run_ahead(launch, flags: torch.Tensor, on_read=None) -> int:
     while round r+1 is queued); it returns True where it changed the state (finished rows read out and refilled). The
     refill then lands behind round r+1, which passed over those rows as finished rows (no-ops), so a refilled row
     idles for one round; the flags read so far are stale after it, so the loop takes fresh ones (one more sync, as
-    the refill's read-out already was) and starts the queue again."""
+    the refill's read-out already was) and starts the queue again. On the H200 (`h200-2026-12-05`, call 3, one pass):
+    engine AR at batch 8 over 64 MT-Bench prompts, 1.272 ms a launched round against 1.291 with the blocking loop."""
     on_cuda = flags.is_cuda
     host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=on_cuda)
     ready = torch.cuda.Event() if on_cuda else None
