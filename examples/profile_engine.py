@@ -166,7 +166,9 @@ def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, loo
         for p in prompts:
             toks = torch.tensor([p], device=st.anchor.device)
             pos = eng._steps[: len(p)][None]
-            pre.append(replay_ms(lambda: row_prefill(0, p), 3))
+            staged = torch.zeros(1, eng.max_len, dtype=torch.long, device=st.anchor.device)  # as `st.prompt` holds it
+            staged[:, : len(p)] = toks
+            pre.append(replay_ms(lambda: row_prefill(0, staged, len(p)), 3))
             with eng.attention_context():  # the target's attention as the engine's calls run it
                 eager.append(replay_ms(lambda: eng._target_forward(st.cache, toks, pos), 3))
     # round graphs only: since 2026-12-03 a call's start is a captured graph too (`SpeculativeEngine._start`, keys

@@ -156,3 +156,49 @@ def test_row_prefill_equals_batched_prefill():
             assert (engine.generate(batch, **kw), engine.rounds) == ref, (d is None, extra, len(batch))
             assert engine._prefills  # the row prefill really ran
             engine._prefills.clear()
+
+
+def test_run_ahead_queues_the_next_round_behind_a_refill():
+    """`graphs.run_ahead` with refills, on a stand-in decoder (rows with a number of rounds left): after a read that
+    refilled rows, the next round is queued before the host reads again (the queue never drains for a refill), and
+    every prompt still gets all its rounds. Fails on the loop before 2026-12-05, which read again first."""
+    from hf_carryover.engine.graphs import run_ahead
+
+    budgets = [3, 5, 1, 4, 2, 6, 2]  # rounds each prompt needs, served through 2 rows
+    left = torch.tensor(budgets[:2])  # rounds left per row
+    flags = torch.zeros(4, dtype=torch.bool)  # [all done, (unused), row 0 done, row 1 done]
+    waiting, served, events = list(range(2, len(budgets))), {0: 0, 1: 0}, []
+    slot = [0, 1]
+
+    def set_flags():
+        flags[2:] = left == 0
+        flags[0] = bool((left == 0).all())
+
+    def launch():  # one round: every unfinished row advances
+        events.append("launch")
+        for r in range(2):
+            if left[r] > 0:
+                left[r] -= 1
+                served[slot[r]] += 1
+        set_flags()
+
+    def on_read(host):
+        events.append("read")
+        rows = [r for r in range(2) if host[2 + r] and waiting]
+        for r in rows:
+            slot[r] = waiting.pop(0)
+            served[slot[r]] = 0
+            left[r] = budgets[slot[r]]
+        set_flags()
+        if rows:
+            events.append("refill")
+        return bool(rows)
+
+    set_flags()
+    launched = run_ahead(launch, flags, on_read)
+    assert served == dict(enumerate(budgets))  # every prompt decoded all its rounds
+    assert not waiting and events.count("refill") >= 3
+    for i, e in enumerate(events):
+        if e == "refill":
+            assert events[i + 1] == "launch", events  # the next round is queued before the next read
+    assert launched == events.count("launch")

@@ -23,7 +23,9 @@ With --tree FILE (and --tree_nodes N) every dflash call verifies that draft tree
 same comparisons cover tree rounds (greedy and sampled; plain AR rows are unchanged).
 With --continuous, every engine (the eager one too) also decodes both prompt sets in one call through b rows
 (continuous batching: a finished row is refilled with the next prompt, `refill.py`; captured refills on the graph
-engines) and must give each prompt the tokens and rounds of the fp32 static reference (`<engine>_continuous_exact`).
+engines) and must give each prompt the tokens and rounds of the fp32 static reference (`<engine>_continuous_exact`);
+a second call on the graph engine counts its host syncs (`graph_continuous_syncs`, against its refills and launched
+rounds: a refill should add none).
 With --deterministic, PyTorch's deterministic algorithms (warn only) and a fixed cuBLAS workspace; bf16 rows record
 `graph_repeat_same_tokens` (a second identical call on the graph engine) either way.
 Every row records `mode` (`engine.last_mode`: "cuda_graph", or why it ran eagerly). Rows are written to --out as
@@ -37,6 +39,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -109,6 +112,21 @@ def draw_boundary(target, prompts, ref, out, temperature=1.0):
 def sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
+
+
+def count_syncs(fn) -> int | None:
+    """Host syncs during `fn()` as torch's CUDA sync debug mode reports them (one warning each, e.g. a blocking copy
+    or `.tolist()`; compare with the call's launched rounds, each read once). None off CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in caught)
 
 
 def tok_per_s(engine, sets, reps, device, **kw):
@@ -282,6 +300,13 @@ def main():
                                 prefills = list(engine._prefills.values())
                                 row[f"{name}_continuous_refill_graphs"] = sum(
                                     g is not None for pf in prefills for g in pf.graphs.values())
+                                if name == "graph":  # host syncs of a warm call (graphs captured): a refill queues
+                                    # without waiting (`ReadOut`, `stage_rows`); count what torch flags as syncs
+                                    row["graph_continuous_syncs"] = count_syncs(lambda: engine.generate(
+                                        sets[0] + sets[1], max_new_tokens=max_new, eos_token_id=eos, batch_size=b,
+                                        **lk))
+                                    row["graph_continuous_refills"] = max(len(sets[0] + sets[1]) - b, 0)
+                                    row["graph_continuous_launched"] = engine.last_launched
                         row["tau"] = eager.tau if kind == "dflash" else None
                         if real and b == 1:  # the engine against plain greedy decoding of the target itself
                             plain = [target.generate(torch.tensor([x], device=args.device), max_new_tokens=max_new,

@@ -49,7 +49,7 @@ from .fuse_projections import FuseSharedInputMatmuls
 from .graphs import capture_round, install_output_hooks, run_ahead
 from .inputs import check_decoding, prompt_lists
 from .linear_round import LinearRounds
-from .refill import RowPrefill
+from .refill import ReadOut, RowPrefill
 from .rope_table import build_rope_tables, use_rope_tables
 from .sampling import inverse_cdf, point_mass, running_mass
 from .state import DecodeState
@@ -419,9 +419,10 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
             # reference target took 45-84 ms on the H200's host (launch-bound), 26-50 captured plain decoding steps
             prefill = self._row_prefill(st, b, can_capture)
             if b == 1:  # the prefill's own logits buffer [1, V], read before anything overwrites it
-                st.first.copy_(first_token(prefill(0, prompts[0])))
+                st.first.copy_(first_token(prefill(0, st.prompt[:1], len(prompts[0]))))
             else:  # rows of one width bucket share that buffer: each row's logits cloned before the next prefill
-                st.first.copy_(first_token(torch.cat([prefill(r, p).clone() for r, p in enumerate(prompts[:b])])))
+                st.first.copy_(first_token(torch.cat([prefill(r, st.prompt[r : r + 1], len(p)).clone()
+                                                      for r, p in enumerate(prompts[:b])])))
         else:
             width = max(len(p) for p in prompts[:b])
             pos = self._steps[:width][None].expand(b, -1)
@@ -432,27 +433,19 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         st.temperature.fill_(temperature)
         self._start(st, lookup, can_capture)
 
-        def refill(rows):  # continuous batching: each row's next prompt prefilled into it (`refill.py`), then all
+        def refill(rows):  # continuous batching: the rows' next prompts staged, each prefilled into its row
+            st.stage_rows(rows, [prompts[slot[r]] for r in rows])  # (`refill.py`), then all restarted at once
             for r in rows:
-                st.first[r : r + 1].copy_(first_token(prefill(r, prompts[slot[r]])))
-            st.stage_rows(rows, [prompts[slot[r]] for r in rows])  # restarted at once (`DecodeState.restart`)
+                st.first[r : r + 1].copy_(first_token(prefill(r, st.prompt[r : r + 1], len(prompts[slot[r]]))))
             self._start(st, lookup, graphs[True] is not None, rows=True)
 
-        outputs, rounds, looked = [None] * n, [None] * n, [None] * n
+        reader = ReadOut(st, n)  # outputs and round logs, read out row by row as rows finish
         slot = list(range(b))  # the prompt each row decodes (None: idle, its output read out)
         waiting = list(range(b, n))
 
-        def read_out(rows):  # finished rows' outputs and round logs, one transfer for all of them
-            cap, m = st.out.shape[1], st.accepted.shape[1]
-            packed = torch.cat([st.out, st.accepted, st.looked.long(), st.n_out[:, None], st.round[:, None]], 1)
-            packed = packed[torch.tensor(rows, device=dev)].tolist()  # [rows, cap + 2m + 2]
-            out, acc, lk = ([x[a:e] for x in packed] for a, e in ((0, cap), (cap, cap + m), (cap + m, cap + 2 * m)))
-            n_out, rnd = [x[-2] for x in packed], [x[-1] for x in packed]
-            for j, r in enumerate(rows):
-                i, cols = slot[r], min(rnd[j], st.accepted.shape[1])
-                outputs[i] = out[j][: n_out[j]]
-                rounds[i] = [x for x in acc[j][:cols] if x >= 0]
-                looked[i] = [q for x, q in zip(acc[j][:cols], lk[j][:cols]) if x >= 0]
+        def read_out(rows):  # finished rows' outputs queued for the host (`ReadOut`: no wait), their rows freed
+            reader.take(rows, [slot[r] for r in rows])
+            for r in rows:
                 slot[r] = None
 
         # round variants: drafted (True) and, with lookup and a drafter, one that skips the drafter (False)
@@ -482,6 +475,7 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
                 self.round_hook(st)
 
         def refill_finished(flags) -> bool:  # continuous batching: finished rows read out, the next prompts in
+            reader.collect()  # earlier read-outs that have landed (host work while the GPU runs)
             finished = [r for r in range(b) if flags[2 + r] and slot[r] is not None] if waiting else []
             if finished:
                 read_out(finished)
@@ -508,8 +502,9 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
                 launch(draft)
                 self.last_launched += 1
         read_out([r for r in range(b) if slot[r] is not None])
-        self.rounds, self.lookup_rounds = rounds, looked
-        return outputs
+        reader.collect(wait=True)
+        self.rounds, self.lookup_rounds = reader.rounds, reader.looked
+        return reader.outputs
 
     def _begin(self, st: DecodeState, lookup: int, rows: bool = False) -> None:
         """Start every row on its staged prompt (rows=True: those flagged in `st.loading`), then the next lookup."""

@@ -115,11 +115,15 @@ def run_ahead(launch, flags: torch.Tensor, on_read=None) -> int:
     CPU tests check against the blocking loop).
 
     `on_read(flags_list)` (continuous batching): called with every round's flags as the host reads them (round r's,
-    while round r+1 is queued); it returns True where it changed the state (finished rows read out and refilled). The
-    refill then lands behind round r+1, which passed over those rows as finished rows (no-ops), so a refilled row
-    idles for one round; the flags read so far are stale after it, so the loop takes fresh ones (one more sync, as
-    the refill's read-out already was) and starts the queue again. On the H200 (`h200-2026-12-05`, call 3, one pass):
-    engine AR at batch 8 over 64 MT-Bench prompts, 1.272 ms a launched round against 1.291 with the blocking loop."""
+    while round r+1 is queued); it returns True where it changed the state (finished rows read out and refilled, all
+    queued without waiting: `ReadOut`, `DecodeState.stage_rows`). The refill then lands behind round r+1, which
+    passed over those rows as finished rows (no-ops), so a refilled row idles for one round. The flags read so far
+    are stale after it: the flags after round r+1 and the refill are posted behind it, round r+2 is queued behind
+    them, and the next read takes them, so the queue never drains for a refill. (Until 2026-12-05 the loop waited for
+    those flags before queueing r+2, one drained queue a refill; rows that finished in round r+1 were then refilled
+    before r+2, now behind it, one idle round more for such a row.) On the H200 (`h200-2026-12-05`, call 3, one
+    pass, with the draining loop): engine AR at batch 8 over 64 MT-Bench prompts, 1.272 ms a launched round against
+    1.291 with the blocking loop."""
     on_cuda = flags.is_cuda
     host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=on_cuda)
     ready = torch.cuda.Event() if on_cuda else None
@@ -139,7 +143,7 @@ def run_ahead(launch, flags: torch.Tensor, on_read=None) -> int:
     launched = 0
     post()
     wait()
-    while True:  # (again) from flags that are up to date: nothing queued
+    while True:  # nothing queued: the start, and refills before the first round (a first token that ends its row)
         if changed():
             post()
             wait()
@@ -154,9 +158,8 @@ def run_ahead(launch, flags: torch.Tensor, on_read=None) -> int:
             launched += 1
             wait()  # round r finished (r+1 runs on)
             if changed():
-                post()  # the flags after round r+1 and the refills
-                wait()
-                break
+                post()  # the flags after round r+1 and the refills, read while round r+2 runs
+                continue
             if bool(host[0]):
                 return launched
             post()

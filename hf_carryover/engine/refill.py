@@ -89,19 +89,19 @@ class RowPrefill:
         for big, small in pairs:  # [b, h, L, d] <- [1, h, L, d], positions < w only
             big.narrow(2, 0, w).index_copy_(0, self.row, small.narrow(2, 0, w))
 
-    def __call__(self, r: int, prompt: list[int]) -> torch.Tensor:
-        """Prefill `prompt` into batch row r (caches only; the caller resets the row's state). Returns the logits
-        `[1, vocab]` (float32) at the prompt's last position, from which the row's first token is chosen."""
-        w = self.width(len(prompt))
+    def __call__(self, r: int, tokens: torch.Tensor, n: int) -> torch.Tensor:
+        """Prefill the first n tokens of `tokens` `[1, >= width]` (a state's staged prompt row, on the device, zeros
+        past the prompt) into batch row r (caches only; the caller restarts the row's state). Returns the logits
+        `[1, vocab]` (float32) at the prompt's last position, from which the row's first token is chosen. Nothing
+        here waits for the GPU (device-to-device copies and fills only), so a refill queues behind running rounds."""
+        w = self.width(n)
         if w not in self.tokens:
             self.tokens[w] = torch.zeros(1, w, dtype=torch.long, device=self.row.device)
             self.logits[w] = torch.zeros(1, self.engine.target.config.get_text_config().vocab_size,
                                          dtype=torch.float32, device=self.row.device)
-        padded = torch.zeros(1, w, dtype=torch.long)
-        padded[0, : len(prompt)] = torch.tensor(prompt)
-        self.tokens[w].copy_(padded)
+        self.tokens[w].copy_(tokens[:, :w])
         self.row.fill_(r)
-        self.last.fill_(len(prompt) - 1)
+        self.last.fill_(n - 1)
         if self.use_graphs and w not in self.graphs:
             try:
                 # what `_fill` writes: the staging buffers and the batch's caches (shared by every state of batch b)
@@ -142,4 +142,51 @@ class RowPrefill:
             self._fill_fn(self.tokens[tokens.shape[1]], logits)
 
 
-__all__ = ["RowPrefill", "WIDTH_ALIGN", "width_bucket"]
+class ReadOut:
+    """Finished rows' outputs and round logs on their way to the host (continuous batching). `take` queues one copy of
+    the rows (behind the rounds already queued, ahead of the refill that restarts them), to pinned memory on CUDA;
+    `collect` turns the copies that have landed into token lists. Why not a plain read: it waits for the GPU to drain
+    the round queued ahead of the host, and the GPU then idles while the host queues the refill."""
+
+    def __init__(self, st, n: int):
+        self.st = st
+        self.outputs, self.rounds, self.looked = [None] * n, [None] * n, [None] * n
+        self.pending: list = []  # (prompt indices, host tensor [rows, cap + 2m + 2], event or None)
+
+    def take(self, rows: list[int], prompts: list[int]) -> None:
+        """Queue the read-out of batch rows `rows`, which decoded prompts `prompts` (indices into the call's list)."""
+        if not rows:
+            return
+        st = self.st
+        packed = torch.cat([st.out, st.accepted, st.looked.long(), st.n_out[:, None], st.round[:, None]], 1)
+        rows_out = torch.stack([packed[r] for r in rows])  # [rows, cap + 2m + 2]: views, no index tensor to upload
+        event = None
+        if rows_out.is_cuda:
+            host = torch.empty(rows_out.shape, dtype=rows_out.dtype, pin_memory=True)
+            host.copy_(rows_out, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = rows_out
+        self.pending.append((prompts, host, event))
+
+    def collect(self, wait: bool = False) -> None:
+        """Decode the read-outs whose copies have landed; with wait=True all of them (waiting for the copies)."""
+        cap, m = self.st.out.shape[1], self.st.accepted.shape[1]
+        left = []
+        for prompts, host, event in self.pending:
+            if event is not None and not (wait or event.query()):
+                left.append((prompts, host, event))
+                continue
+            if event is not None:
+                event.synchronize()
+            for i, row in zip(prompts, host.tolist()):
+                out, acc, lk = row[:cap], row[cap : cap + m], row[cap + m : cap + 2 * m]
+                n_out, cols = row[-2], min(row[-1], m)
+                self.outputs[i] = out[:n_out]
+                self.rounds[i] = [x for x in acc[:cols] if x >= 0]
+                self.looked[i] = [q for x, q in zip(acc[:cols], lk[:cols]) if x >= 0]
+        self.pending = left
+
+
+__all__ = ["ReadOut", "RowPrefill", "WIDTH_ALIGN", "width_bucket"]

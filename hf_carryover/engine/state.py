@@ -68,14 +68,21 @@ class DecodeState:
 
     def stage_rows(self, rows: list[int], prompts: list[list[int]]) -> None:
         """Stage new prompts for rows `rows` (continuous batching: their previous requests were read out) and flag
-        those rows for `restart`; `first` of each row is set by the caller from its prefill. Three host-to-device
-        copies whatever the number of rows."""
+        those rows for `restart`; `first` of each row is set by the caller from its prefill, which reads the staged
+        prompt from `prompt`. One host-to-device copy whatever the number of rows, from pinned memory and
+        asynchronous on CUDA. Why: a plain upload waits for the GPU to finish all it was given (the round queued ahead
+        of the host), and the GPU then idles while the host queues the rest of the refill; here nothing in a refill
+        waits, so the prefill and the restart land behind the queued round without a gap."""
         pad = self.prompt.shape[1]
-        idx = torch.tensor(rows, device=self.prompt.device)
-        self.prompt.index_copy_(0, idx, torch.tensor([list(p) + [0] * (pad - len(p)) for p in prompts],
-                                                     device=self.prompt.device))
-        self.plen.index_copy_(0, idx, torch.tensor([len(p) for p in prompts], device=self.plen.device))
-        self.loading.copy_(torch.tensor([r in rows for r in range(self.b)]))
+        host = torch.zeros(len(rows), pad + 2, dtype=torch.long, pin_memory=self.prompt.is_cuda)  # [n, prompt|len|row]
+        for j, (r, p) in enumerate(zip(rows, prompts)):
+            host[j, : len(p)] = torch.as_tensor(p, dtype=torch.long)
+            host[j, pad], host[j, pad + 1] = len(p), r
+        data = host.to(self.prompt.device, non_blocking=True)  # (pinned: the allocator keeps it until copied)
+        idx = data[:, pad + 1]
+        self.prompt.index_copy_(0, idx, data[:, :pad])
+        self.plen.index_copy_(0, idx, data[:, pad])
+        self.loading.zero_().index_fill_(0, idx, True)
 
     def start(self) -> None:
         """Every row starts its staged prompt (after the call's prefill has set `first`). Reads and writes only this
