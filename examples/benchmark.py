@@ -298,7 +298,10 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
         res["rope_untabled"] = dict(engine.rope_untabled)
     if engine.fused_projections is not None:  # GEMMs the frozen-weight pass merged in this row's engine so far
         res["fused_gemms"] = engine.fused_projections.fused  # (hf_carryover/engine/fuse_projections.py; until
-        # 12-02f the sum over all engines of the call)
+        # 12-02f the sum over all engines of the call); None where the pass saw no graph (all taken from inductor's
+        # caches), where 0 would not mean "nothing merged" (until 2026-12-05 it read 0 then)
+        if not engine.fused_projections.graphs:
+            res["fused_gemms"] = None
     if engine.profile and engine.timing["rounds"]:
         n = engine.timing["rounds"]
         res["per_round_s"] = {p: engine.timing[p] / n for p in ("draft", "verify", "other")}

@@ -582,6 +582,7 @@ def test_frozen_compiled_round_merges_projections_and_equals_eager():
     out, codes = run_and_get_code(lambda: cuda_like.generate(prompts, max_new_tokens=20))
     assert out == ref64 != ref
     assert cuda_like.fused_projections.fused == 3 * layers  # q/k/v: 3 -> 1, gate/up: 2 -> 1
+    assert cuda_like.fused_projections.graphs >= 1  # (0 would make benchmark rows report fused_gemms as unknown)
     assert sum(c.count("extern_kernels.mm(") for c in codes) == 4 * layers + 1
     off = SpeculativeEngine(target, None, max_len=96, compile=True, compile_options={
         "freezing": True, "post_grad_custom_pre_pass": None})  # the slot named: the engine adds no pass

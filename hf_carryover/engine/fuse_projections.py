@@ -30,10 +30,13 @@ def _constant(node) -> bool:
 
 class FuseSharedInputMatmuls(CustomGraphPass):
     """Merge `aten.mm(x, W_i)` nodes that share `x` and have constant 2-D weights with the same input width.
-    `self.fused` counts the GEMMs removed over every graph the pass has seen (tests and profiles read it)."""
+    `self.fused` counts the GEMMs removed over every graph the pass has seen (tests and profiles read it), `self.graphs`
+    the graphs it has seen. A graph inductor does not compile again (taken from one of its caches) does not pass
+    through it, so both can read 0 while the loaded code is merged all the same (the H200 rows of 2026-12-05 read 0)."""
 
     def __init__(self):
         self.fused = 0
+        self.graphs = 0
 
     def uuid(self):
         return get_hash_for_files((__file__,)) if get_hash_for_files is not None else None
@@ -42,6 +45,7 @@ class FuseSharedInputMatmuls(CustomGraphPass):
         gm = graph.owning_module
         if gm is None:
             return
+        self.graphs += 1
         mm = torch.ops.aten.mm.default
         groups: dict = {}  # (x node, in width, dtype, device) -> mm nodes in graph order
         for node in graph.nodes:
