@@ -59,11 +59,9 @@ class DecodeState:
         self.loading = zeros(b, dtype=torch.bool)  # continuous batching: the rows `restart` loads
 
     def stage(self, prompts: list[list[int]], eos) -> None:
-        """Copy a call's first b prompts (token-id lists) and EOS ids `[n_eos]` into the state: one host-to-device copy
-        per tensor, whatever b. The prefill reads `prompt`; `start` reads all of them and `first`."""
-        pad = self.prompt.shape[1]
-        self.prompt.copy_(torch.tensor([list(p) + [0] * (pad - len(p)) for p in prompts]))
-        self.plen.copy_(torch.tensor([len(p) for p in prompts]))
+        """Stage a call's first b prompts (token-id lists, one per row) as `stage_rows` stages refills, and its EOS ids
+        `[n_eos]`. The prefill reads `prompt`; `start` reads all of them and `first`."""
+        self.stage_rows(list(range(len(prompts))), prompts)
         self.eos.copy_(eos)
 
     def stage_rows(self, rows: list[int], prompts: list[list[int]]) -> None:
