@@ -5,7 +5,8 @@ splits the round into pieces that inductor compiles apart and cannot fuse across
 found in three pieces and a linear round with its prefill in five (`examples/results/h200-2026-12-03c`). This script
 decodes with tiny random models on the CPU, each mode on a fresh target (as a user's first call), with
 `compile="aot_eager"` (Dynamo's tracing without inductor's code generation) and the row prefill compiled as on the
-GPU, and records Dynamo's counters: graphs traced (the row prefill is one) and graph breaks by reason.
+GPU, and records Dynamo's counters: graphs traced (the row prefill is two: its forward and its copy-in) and graph breaks
+by reason.
 
     python examples/compile_census.py --out census.json
 """

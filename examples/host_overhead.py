@@ -82,8 +82,8 @@ def eager_ops(target, drafter, new_tokens=24):
     prompt = [5 + (i * 7) % 300 for i in range(60)]  # repeats, so the first lookup finds a match
     kw = dict(max_new_tokens=new_tokens, prompt_lookup_num_tokens=15, tree=tree, tree_nodes=31)
     engine.generate([prompt], **kw)
-    with around(SpeculativeEngine, "_tree_round"), around(refill.RowPrefill, "_fill"), \
-            around(SpeculativeEngine, "_begin", "start"), Count():
+    with around(SpeculativeEngine, "_tree_round"), around(refill.RowPrefill, "_forward"), \
+            around(refill.RowPrefill, "_copy_in"), around(SpeculativeEngine, "_begin", "start"), Count():
         engine.generate([prompt], **kw)
     return dict(counts)
 

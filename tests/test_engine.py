@@ -280,7 +280,7 @@ class _EagerGraph:
 
 
 def _fake_capture(captured):
-    def capture(round_fn, tensors, warmup=3):
+    def capture(round_fn, tensors, warmup=3, stream=None):
         before = [t.clone() for t in tensors]
         with restored(tensors):  # the real warm-up: decode on the live state, then restore it
             for _ in range(warmup):
@@ -319,15 +319,19 @@ def test_graph_path_plumbing_with_eager_stand_in(monkeypatch, typ):
         assert engine.generate(prompts, **kw) == fresh.generate(prompts, **kw)
         assert engine.rounds == fresh.rounds and engine.last_mode == "cuda_graph"
     assert len(captured) == 3  # one greedy and one sampled round for this shape; both start the same state
-    assert len(prefills) == 1  # every prompt here is in the first width bucket
+    assert len(prefills) == 2  # the forward (every prompt here is in the first width bucket) and the copy-in
     # continuous batching (5 prompts through 2 rows): refilled rows restart through a captured graph of their own
-    # (`DecodeState.restart`, once per state), with the eager engine's tokens and rounds, greedy and sampled
+    # (`DecodeState.restart`, once per state), with the eager engine's tokens and rounds, greedy and sampled; the same
+    # with the next prompt's forward run ahead through the same stand-in graphs (`prefill_ahead`)
     prompts = _prompts(5, (6, 3, 8, 2, 5))
-    for kw in (dict(max_new_tokens=20), dict(max_new_tokens=20, do_sample=True, temperature=0.9, seed=7)):
-        fresh = SpeculativeEngine(target, drafter, max_len=96)
-        assert engine.generate(prompts, batch_size=2, **kw) == fresh.generate(prompts, batch_size=2, **kw)
-        assert engine.rounds == fresh.rounds and engine.last_mode == "cuda_graph"
+    for ahead in (False, True):
+        engine.prefill_ahead = ahead
+        for kw in (dict(max_new_tokens=20), dict(max_new_tokens=20, do_sample=True, temperature=0.9, seed=7)):
+            fresh = SpeculativeEngine(target, drafter, max_len=96)
+            assert engine.generate(prompts, batch_size=2, **kw) == fresh.generate(prompts, batch_size=2, **kw)
+            assert engine.rounds == fresh.rounds and engine.last_mode == "cuda_graph"
     assert sum(key[0] == "restart" for key in engine._graphs if isinstance(key, tuple)) == 1
+    assert len(prefills) == 2  # the batch-2 row prefill of the calls above serves the refills: no new capture
 
 
 def test_row_prefill_is_compiled_with_the_rounds(monkeypatch):
@@ -339,7 +343,7 @@ def test_row_prefill_is_compiled_with_the_rounds(monkeypatch):
 
     def spy(self, fn, dynamic=False):  # records the widths the compiled prefill is called with
         out = compiled(self, fn, dynamic)
-        if getattr(fn, "__name__", "") != "_fill":
+        if getattr(fn, "__name__", "") != "_forward":
             return out
 
         def run(tokens, logits):
@@ -364,13 +368,13 @@ def test_row_prefill_is_compiled_with_the_rounds(monkeypatch):
     plain.row_prefill = True
     assert (plain.generate(prompts, **kw), plain.rounds) == expected
     (prefill,) = plain._prefills.values()
-    assert prefill._fill_fn == prefill._fill
+    assert prefill._forward_fn == prefill._forward and prefill._copy_fn == prefill._copy_in
 
 
 def test_failed_capture_falls_back_to_eager_with_one_warning(monkeypatch):
     monkeypatch.setattr(engine_mod, "_is_cuda", lambda dev: True)
 
-    def broken(round_fn, tensors, warmup=3):
+    def broken(round_fn, tensors, warmup=3, stream=None):
         with restored(tensors):
             round_fn()  # a warm-up round ran before capture failed: it must leave no trace
             raise RuntimeError("operation not permitted when stream is capturing")

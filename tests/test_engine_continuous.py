@@ -103,6 +103,8 @@ def test_batch_size_errors():
         engine.generate([[1, 2]], batch_size=0)
     with pytest.raises(ValueError, match="at least one prompt"):
         engine.generate([], batch_size=2)
+    with pytest.raises(ValueError, match="prefill_ahead='yes': True or False"):
+        SpeculativeEngine(target, None, max_len=64, prefill_ahead="yes")
 
 
 def test_restart_loads_flagged_rows_as_start_loads_all():
@@ -202,3 +204,72 @@ def test_run_ahead_queues_the_next_round_behind_a_refill():
         if e == "refill":
             assert events[i + 1] == "launch", events  # the next round is queued before the next read
     assert launched == events.count("launch")
+
+
+def test_prefill_ahead_gives_the_same_tokens_and_rounds():
+    """`prefill_ahead=True` (the next waiting prompt's forward run early, then copied into the row that frees first):
+    every configuration's outputs, rounds and lookup flags equal the plain refill's, greedy and sampled (the first
+    token's draw consumes the generator at the same point), through 3 rows and through 1; and the staged prompts were
+    really loaded. A prompt left staged by an earlier call (as an interrupted one would leave it) is not loaded."""
+    from hf_carryover.engine.refill import RowPrefill
+
+    target, drafter, prompts, max_new, _ = _trained_setup("dflash", True, steps=60)
+    prompts = _prompts(7, (13, 3, 9, 1, 6, 11, 4)) + prompts[:1]
+    eos = _greedy_refs(target, prompts[:1], 12)[0][11]
+    loads = []
+    real_load = RowPrefill.load
+
+    def counting_load(self, r):
+        loads.append(r)
+        return real_load(self, r)
+
+    configs = [(None, {}), (drafter, {}), (drafter, {"prompt_lookup_num_tokens": 4}),
+               (drafter, {"tree": WIDE, "tree_nodes": 5}), (drafter, {"do_sample": True, "seed": 3}),
+               (drafter, {"tree": WIDE, "do_sample": True, "seed": 4})]
+    for d, extra in configs:
+        kw = dict(max_new_tokens=max_new, eos_token_id=eos, **extra)
+        plain = SpeculativeEngine(target, d, max_len=96)
+        ahead = SpeculativeEngine(target, d, max_len=96, prefill_ahead=True)
+        for b in (3, 1, 3):
+            for pf in (plain._prefills.get((b, False)), ahead._prefills.get((b, False))):
+                if pf is not None:  # staged by a call that never loaded it: its key is a prompt index of this call
+                    pf.ahead(3, prompts[-1])
+            want = plain.generate(prompts, batch_size=b, **kw), plain.rounds, plain.lookup_rounds
+            loads.clear()
+            RowPrefill.load = counting_load
+            try:
+                got = ahead.generate(prompts, batch_size=b, **kw), ahead.rounds, ahead.lookup_rounds
+            finally:
+                RowPrefill.load = real_load
+            assert got == want, (d is None, extra, b)
+            assert len(loads) >= 3, loads  # most refills took the prompt prefilled ahead
+            assert ahead._prefills[(b, False)].staged is None  # every staged prompt was used
+
+
+def test_prefill_ahead_writes_only_its_staging_buffers():
+    """Why the staged forward may run on a side stream beside the rounds: `RowPrefill.ahead` leaves every tensor a
+    round reads or writes (the state and the batch's caches) as it was, and `load(r)` then changes row r of the
+    caches only. The Triton attention's split counters of the prefill's lane are not the rounds'."""
+    from hf_carryover.engine import triton_attention as ta
+
+    target = build_target("llama")
+    engine = SpeculativeEngine(target, build_drafter(target, "dflash", True), max_len=64)
+    engine.generate(_prompts(9, (5, 8, 6, 7)), max_new_tokens=10, batch_size=3)
+    (st,) = engine._states.values()
+    (pf,) = engine._prefills.values()
+    before = [t.clone() for t in st.tensors()]
+    pf.ahead("next", [4, 9, 2, 7, 3])
+    assert all(torch.equal(a, t) for a, t in zip(before, st.tensors()))
+    assert pf.staged == ("next", 5, pf.width(5))
+    pf.load(1)
+    caches = st.cache.k + st.cache.v + st.dcache.keys + st.dcache.values
+    old = before[-len(caches):]
+    assert all(torch.equal(a[[0, 2]], t[[0, 2]]) for a, t in zip(old, caches))  # the other rows: untouched
+    assert any(not torch.equal(a[1], t[1]) for a, t in zip(old, caches))
+    assert pf.staged is None
+    with pytest.raises(RuntimeError, match="no prompt was staged"):
+        pf.load(0)
+    dev = torch.device("cpu")
+    with ta.counter_lane("row_prefill"):
+        mine = ta._counters(dev, 8)
+    assert ta._counters(dev, 8) is not mine and ta._counters(dev, 8) is ta._counters(dev, 4)

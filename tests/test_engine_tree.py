@@ -76,7 +76,7 @@ def test_compiled_tree_round_equals_eager():
 
 @pytest.mark.parametrize("mode", ["tree_lookup", "linear"])
 def test_compiled_round_is_one_graph(mode):
-    """A compiled round (and the compiled row prefill) each trace as one graph on a fresh target
+    """A compiled round (and the compiled row prefill's two steps) each trace as one graph on a fresh target
     (`examples/compile_census.py`, which decodes a mode as a user's first call). Until 2026-12-03 two things broke
     them: the tree's tensors were made on the first round, inside the compiled function, and their Python loop broke
     the tree round twice; and transformers installed its hidden-state hooks on the first forward that asked for hidden
@@ -87,7 +87,7 @@ def test_compiled_round_is_one_graph(mode):
 
     row = census(mode)
     assert row["last_mode"] == "eager +compile"
-    assert (row["graphs"], row["breaks"]) == (2, 0), row  # the row prefill and the round, no break
+    assert (row["graphs"], row["breaks"]) == (3, 0), row  # the row prefill's forward and copy-in, the round; no break
 
 
 def test_accept_tree_picks_the_matching_path():

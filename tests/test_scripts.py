@@ -315,7 +315,7 @@ def test_evaluate_tau_refuses_engine_keys_without_engine(tmp_path, monkeypatch):
                     ["--drafters", "x=nowhere,lookup=4,lookup_siblings=false", "--out", tmp_path], tmp_path)
     message = str(refused.value.code)
     assert "]: lookup_siblings (of lookup_siblings/" in message, message
-    assert "dynamic_prefill) are SpeculativeEngine arguments: they need --engine" in message
+    assert "prefill_ahead) are SpeculativeEngine arguments: they need --engine" in message
 
 
 def test_evaluate_tau_cut_run_keeps_its_command(tmp_path, monkeypatch):
@@ -472,6 +472,7 @@ def test_gpu_engine_check_trained_drafter_real_prompts_cpu(tmp_path, monkeypatch
     # --continuous: both prompt sets through b rows (a refill per finished row) give every prompt its static tokens
     for row in summary["rows"]:
         assert row["eager_continuous_exact"] and row["graph_continuous_exact"], row
+        assert row["eager_ahead_continuous_exact"] and row["graph_ahead_continuous_exact"], row  # prefill_ahead
     assert summary["drafter"].endswith("drafter") and summary["prompts"].endswith("toy")
     # --tree: the dflash engines verify a draft tree (5 of its nodes a round) with lookup; the same checks hold
     (tmp_path / "tree.json").write_text(json.dumps({"paths": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]}))

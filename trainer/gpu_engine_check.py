@@ -25,7 +25,8 @@ With --continuous, every engine (the eager one too) also decodes both prompt set
 (continuous batching: a finished row is refilled with the next prompt, `refill.py`; captured refills on the graph
 engines) and must give each prompt the tokens and rounds of the fp32 static reference (`<engine>_continuous_exact`);
 a second call on the graph engine counts its host syncs (`graph_continuous_syncs`, against its refills and launched
-rounds: a refill should add none).
+rounds: a refill should add none). Each continuous call runs again with `prefill_ahead=True` (the next prompt's
+forward on a side stream beside the rounds): `<engine>_ahead_continuous_exact`, `graph_ahead_continuous_syncs`.
 With --deterministic, PyTorch's deterministic algorithms (warn only) and a fixed cuBLAS workspace; bf16 rows record
 `graph_repeat_same_tokens` (a second identical call on the graph engine) either way.
 Every row records `mode` (`engine.last_mode`: "cuda_graph", or why it ran eagerly). Rows are written to --out as
@@ -35,6 +36,7 @@ engine runs eagerly ("eager (no CUDA)"), so only the plumbing is checked there.
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import sys
@@ -291,22 +293,25 @@ def main():
                         if args.continuous:  # both sets through b rows: refills, captured on the graph engines
                             want = refs[0][0] + refs[1][0]
                             want_rounds = refs[0][1] + refs[1][1]
-                            for name, engine in built.items():
+                            for (name, engine), ahead in itertools.product(built.items(), (False, True)):
+                                engine.prefill_ahead = ahead  # next prompt's forward on a side stream
+                                tag = name + ("_ahead" if ahead else "")
                                 out = engine.generate(sets[0] + sets[1], max_new_tokens=max_new, eos_token_id=eos,
                                                       batch_size=b, **lk)
-                                row[f"{name}_continuous_exact"] = out == want and engine.rounds == want_rounds
-                                row[f"{name}_continuous_first_diff_at"] = first_diff(want, out)
-                                row[f"{name}_continuous_rounds_equal"] = engine.rounds == want_rounds
+                                row[f"{tag}_continuous_exact"] = out == want and engine.rounds == want_rounds
+                                row[f"{tag}_continuous_first_diff_at"] = first_diff(want, out)
+                                row[f"{tag}_continuous_rounds_equal"] = engine.rounds == want_rounds
                                 prefills = list(engine._prefills.values())
-                                row[f"{name}_continuous_refill_graphs"] = sum(
+                                row[f"{tag}_continuous_refill_graphs"] = sum(
                                     g is not None for pf in prefills for g in pf.graphs.values())
                                 if name == "graph":  # host syncs of a warm call (graphs captured): a refill queues
-                                    # without waiting (`ReadOut`, `stage_rows`); count what torch flags as syncs
-                                    row["graph_continuous_syncs"] = count_syncs(lambda: engine.generate(
+                                    # without waiting (`ReadOut`, `stage_rows`, `RowPrefill.ahead`); count what torch
+                                    # flags as syncs
+                                    row[f"{tag}_continuous_syncs"] = count_syncs(lambda: engine.generate(
                                         sets[0] + sets[1], max_new_tokens=max_new, eos_token_id=eos, batch_size=b,
                                         **lk))
-                                    row["graph_continuous_refills"] = max(len(sets[0] + sets[1]) - b, 0)
-                                    row["graph_continuous_launched"] = engine.last_launched
+                                    row[f"{tag}_continuous_refills"] = max(len(sets[0] + sets[1]) - b, 0)
+                                    row[f"{tag}_continuous_launched"] = engine.last_launched
                         row["tau"] = eager.tau if kind == "dflash" else None
                         if real and b == 1:  # the engine against plain greedy decoding of the target itself
                             plain = [target.generate(torch.tensor([x], device=args.device), max_new_tokens=max_new,

@@ -622,8 +622,9 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
   # "attnbench" times one layer's attention per way of calling it (trainer/gpu_attention_bench.py); the job
   # "engprofile" splits a captured engine round's (examples/profile_engine.py, PROFILE_* below); the job
   # "check" runs the fp32 exactness check of compiled rounds (CHECK_SECONDS, CHECK_KINDS, CHECK_BATCHES, CHECK_LOOKUP,
-  # CHECK_DETERMINISTIC=1, CHECK_CONTINUOUS=1: continuous batching against static too, CHECK_COMPILE=0: graph
-  # engines without the compiled one, CHECK_INDUCTOR="freezing=True": the compiled engine's inductor options,
+  # CHECK_DETERMINISTIC=1, CHECK_CONTINUOUS=1: continuous batching against static too (with and without
+  # prefill_ahead), CHECK_COMPILE=0: graph engines without the compiled one, CHECK_INDUCTOR="freezing=True": the
+  # compiled engine's inductor options,
   # CHECK_TREE=N with CHECK_DRAFTER: its draft_tree.json, N nodes a round, CHECK_ATTENTION=triton: every engine on the
   # Triton attention kernel; CHECK_ENGINE="rope_table=True": SpeculativeEngine arguments of every engine): a random
   # drafter, or with CHECK_DRAFTER=NAME a trained one on the real target, also against plain greedy decoding. The job

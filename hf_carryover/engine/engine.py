@@ -103,7 +103,7 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
                  attention_warps: int = 4, attention_split_n: int = 256, attention_min_rows: int | None = None,
                  attention_block_m: int = 16,
                  run_ahead: bool = True, tree_topk: str = "torch", drafter_attention: str = "auto",
-                 rope_table: bool | str = "auto", dynamic_prefill: bool = True):
+                 rope_table: bool | str = "auto", dynamic_prefill: bool = True, prefill_ahead: bool = False):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -198,12 +198,20 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
 
         dynamic_prefill=True (the default; with compile): the row prefill compiles once with the prompt's width left
         dynamic, instead of once per width bucket (each as long as a round's compile); still one CUDA graph per
-        bucket. Should that compile fail, the prefill warns and compiles per width (`refill.py`)."""
+        bucket. Should that compile fail, the prefill warns and compiles per width (`refill.py`).
+
+        prefill_ahead=True (continuous batching): the next waiting prompt's prefill forward runs early, on a side
+        stream beside the rounds (`RowPrefill.ahead`), and a refill only copies it into the freed row; the other rows
+        of a refill prefill as before. Same tokens and rounds (tested on CPU, where it runs in order). Off by default
+        until timed on the GPU."""
         if not any(rope_table is v for v in (True, False)) and rope_table != "auto":
             raise ValueError(f"rope_table={rope_table!r}: 'auto', True or False.")
         if not isinstance(dynamic_prefill, bool):
             raise ValueError(f"dynamic_prefill={dynamic_prefill!r}: True or False.")
         self.dynamic_prefill = dynamic_prefill
+        if not isinstance(prefill_ahead, bool):
+            raise ValueError(f"prefill_ahead={prefill_ahead!r}: True or False.")
+        self.prefill_ahead = prefill_ahead
         if attention not in ("auto", "sdpa", "triton"):
             raise ValueError(f"attention={attention!r}: 'auto', 'sdpa' or 'triton'.")
         if attention_min_rows is not None and int(attention_min_rows) < 1:
@@ -435,9 +443,16 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
 
         def refill(rows):  # continuous batching: the rows' next prompts staged, each prefilled into its row
             st.stage_rows(rows, [prompts[slot[r]] for r in rows])  # (`refill.py`), then all restarted at once
-            for r in rows:
-                st.first[r : r + 1].copy_(first_token(prefill(r, st.prompt[r : r + 1], len(prompts[slot[r]]))))
+            for r in rows:  # the first refilled row takes the prompt prefilled ahead, if any (waiting's first)
+                ahead = prefill.staged is not None and prefill.staged[0] == slot[r]
+                last = prefill.load(r) if ahead else prefill(r, st.prompt[r : r + 1], len(prompts[slot[r]]))
+                st.first[r : r + 1].copy_(first_token(last))
             self._start(st, lookup, graphs[True] is not None, rows=True)
+            stage_ahead()
+
+        def stage_ahead():  # `prefill_ahead`: the next waiting prompt's forward, beside the rounds
+            if self.prefill_ahead and waiting:
+                prefill.ahead(waiting[0], prompts[waiting[0]])
 
         reader = ReadOut(st, n)  # outputs and round logs, read out row by row as rows finish
         slot = list(range(b))  # the prompt each row decodes (None: idle, its output read out)
@@ -456,6 +471,8 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         self.last_mode = modes[True]
         if n > b:  # continuous batching: the row prefill, with graphs when the rounds have them
             prefill = self._row_prefill(st, b, graphs[True] is not None)
+            prefill.drop()  # (a prompt an interrupted call staged is not one of this call's)
+            stage_ahead()
         step = self._round_fn(do_sample, tree)
         if graphs[True] is None and step in (self._compiled_round, self._compiled_tree_round) and step is not None:
             self.last_mode += " +compile"

@@ -61,7 +61,7 @@ def restored(tensors: list[torch.Tensor]):
             t.copy_(s)
 
 
-def capture_round(round_fn, tensors: list[torch.Tensor], warmup: int = 3) -> torch.cuda.CUDAGraph:
+def capture_round(round_fn, tensors: list[torch.Tensor], warmup: int = 3, stream=None) -> torch.cuda.CUDAGraph:
     """Record `round_fn()` into a CUDA graph, leaving every tensor in `tensors` exactly as it was.
 
     As PyTorch's CUDA-graph notes ask, the function first runs a few times on a side stream (lazy
@@ -69,6 +69,9 @@ def capture_round(round_fn, tensors: list[torch.Tensor], warmup: int = 3) -> tor
     state and the caches are cloned first and copied back afterwards: warm-up and capture never change the
     decoding result. (Strictly, the caches would not need it — rounds write only at positions >= each row's
     anchor, and restoring the anchors hides those writes again — but a full restore does not rely on that.)
+
+    stream: the capture stream (None: torch's shared one). Graphs captured on one stream share its cuBLAS workspace,
+    so a graph that may replay beside the rounds on another stream is captured on a stream of its own (`refill.py`).
     """
     with restored(tensors):
         side = torch.cuda.Stream()
@@ -78,7 +81,7 @@ def capture_round(round_fn, tensors: list[torch.Tensor], warmup: int = 3) -> tor
                 round_fn()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=stream):
             round_fn()
     return graph
 

@@ -12,6 +12,12 @@ Padding is harmless for the same reason stale cache rows are (`static_cache.py`)
 prompt, so causal attention keeps them out of every prompt position's output, and their K/V land at positions at or
 past the row's anchor, which no query sees before the row's own rounds overwrite them. Only the last prompt
 position's logits are computed (`logits_to_keep`), not a `[W, vocab]` block.
+
+Two steps, each its own compiled function and graph: the staging forward (`_forward`, one graph per width bucket)
+and the copy of the staging caches into the batch row (`_copy_in`, one graph). Why apart: with `prefill_ahead` the
+forward of the next waiting prompt runs on a side stream while the rounds go on (`RowPrefill.ahead`); it touches only
+the staging caches, so it cannot race with a round, and only the copy-in, a few microseconds, waits in the rounds'
+queue.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 from ..modeling_drafter import DrafterStaticCache
 from .graphs import capture_round
 from .static_cache import TargetStaticCache
+from .triton_attention import counter_lane
 
 # prompt widths are padded up to a multiple of this: one captured graph per bucket (and, with compile and without
 # `dynamic_prefill`, one compile per bucket, about as long as compiling a round). 128 rather than 64: the first 32
@@ -37,8 +44,12 @@ def width_bucket(n: int, max_len: int) -> int:
 
 
 class RowPrefill:
-    """Staging caches (batch 1) and one graph per width bucket for refilling rows of the batch-b caches (which every
-    `DecodeState` of batch b shares, so one RowPrefill serves them all)."""
+    """Staging caches (batch 1), one forward graph per width bucket and one copy-in graph, for refilling rows of the
+    batch-b caches (which every `DecodeState` of batch b shares, so one RowPrefill serves them all).
+
+    Two ways in: `__call__` prefills a prompt into a row at once (forward, then copy-in, in the current stream's
+    order); `ahead` + `load` (the engine's `prefill_ahead`) run the forward of the next waiting prompt early, on a
+    side stream, and later copy it into whichever row finishes first."""
 
     def __init__(self, engine, st, use_graphs: bool):
         tc, dev = engine.target.config.get_text_config(), st.anchor.device
@@ -55,7 +66,18 @@ class RowPrefill:
         self.last = torch.zeros(1, dtype=torch.long, device=dev)  # the prompt's last position (its logits)
         self.tokens: dict[int, torch.Tensor] = {}  # width -> [1, width] padded prompt
         self.logits: dict[int, torch.Tensor] = {}  # width -> [1, vocab] float32 logits at `last`
-        self.graphs: dict[int, object] = {}  # width -> CUDAGraph, or None where capture failed (eager)
+        # width -> CUDAGraph of the staging forward, "copy" -> CUDAGraph of the copy-in; None where capture failed
+        self.graphs: dict = {}
+        cuda = self.row.is_cuda
+        # The forward's graphs are captured on a stream of their own: cuBLAS keeps one workspace per (handle, stream),
+        # and graphs captured on torch's shared capture stream (the rounds') share it, so a forward replayed on the
+        # side stream beside a round would write the round's GEMM workspace. (The Triton attention's split counters
+        # are kept apart the same way: `counter_lane`.)
+        self.capture_stream = torch.cuda.Stream(device=dev) if cuda else None
+        self.side = torch.cuda.Stream(device=dev) if cuda else None  # where `ahead` runs its forward
+        self.ready = torch.cuda.Event() if cuda else None  # recorded on `side` after the staged forward
+        self.released = torch.cuda.Event() if cuda else None  # the current stream's last use of the staging buffers
+        self.staged = None  # (key, n, width) of the prompt `ahead` staged, until `load` or a `__call__` drops it
         # compiled as the engine compiles its rounds: the captured eager forward still launches every unfused kernel
         # of an HF decoder layer, and on the H200 a 135M prefill replayed in 4.2-4.4 ms (`examples/profile_engine.py`,
         # h200-2026-12-03), four plain decoding steps, paid once per prompt and, under continuous batching, by every
@@ -64,16 +86,18 @@ class RowPrefill:
         # 80 HumanEval prompts and a 4th on MT-Bench's, each about as long as a round's. Graphs stay one per width.
         compiled = engine.compile and not engine.profile
         self.dynamic_width = engine.dynamic_prefill and compiled
-        self._fill_fn = engine._compiled(self._fill, None if self.dynamic_width else False) if compiled else self._fill
+        self._forward_fn = (engine._compiled(self._forward, None if self.dynamic_width else False) if compiled
+                            else self._forward)
+        self._copy_fn = engine._compiled(self._copy_in) if compiled else self._copy_in
 
     def width(self, n: int) -> int:
         return width_bucket(n, self.engine.max_len)
 
-    def _fill(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
-        """Staging forward of the padded prompt `tokens` `[1, w]`, then its rows copied into batch row `row`, and the
-        last prompt position's logits into `logits` `[1, vocab]` (all in place). The width comes from `tokens`, not
-        from an argument, so a compile that leaves it dynamic serves every width."""
-        eng, st = self.engine, self.st
+    def _forward(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """Staging forward of the padded prompt `tokens` `[1, w]` into the staging caches, and the last prompt
+        position's logits into `logits` `[1, vocab]` (in place). Writes nothing a round reads. The width comes from
+        `tokens`, not from an argument, so a compile that leaves it dynamic serves every width."""
+        eng = self.engine
         w = tokens.shape[1]
         pos = eng._steps[:w][None]  # [1, w]
         self.cache.positions = pos
@@ -81,65 +105,136 @@ class RowPrefill:
                          use_cache=True, output_hidden_states=eng.drafter is not None, logits_to_keep=self.last,
                          **{eng._cache_kw: self.cache})
         logits.copy_(out.logits[:, -1].float())
-        pairs = list(zip(st.cache.k + st.cache.v, self.cache.k + self.cache.v))
         if eng.drafter is not None:
             feats = eng.drafter.target_features(out.hidden_states)
             self.dcache.write(eng.drafter, eng.drafter.fuse(feats), pos)
+
+    def _pairs(self) -> list:
+        """(batch cache, staging cache) tensor pairs, target K/V then the drafter's."""
+        st = self.st
+        pairs = list(zip(st.cache.k + st.cache.v, self.cache.k + self.cache.v))
+        if self.dcache is not None:
             pairs += list(zip(st.dcache.keys + st.dcache.values, self.dcache.keys + self.dcache.values))
-        for big, small in pairs:  # [b, h, L, d] <- [1, h, L, d], positions < w only
-            big.narrow(2, 0, w).index_copy_(0, self.row, small.narrow(2, 0, w))
+        return pairs
+
+    def _copy_in(self) -> None:
+        """The staging caches into batch row `row`, whole (`[b, h, L, d] <- [1, h, L, d]`): one shape for every width,
+        so one graph. Positions past the prompt get stale staging rows, which are as harmless as the pad rows (the
+        row's rounds overwrite them before any query sees them)."""
+        for big, small in self._pairs():
+            big.index_copy_(0, self.row, small)
 
     def __call__(self, r: int, tokens: torch.Tensor, n: int) -> torch.Tensor:
         """Prefill the first n tokens of `tokens` `[1, >= width]` (a state's staged prompt row, on the device, zeros
         past the prompt) into batch row r (caches only; the caller restarts the row's state). Returns the logits
         `[1, vocab]` (float32) at the prompt's last position, from which the row's first token is chosen. Nothing
-        here waits for the GPU (device-to-device copies and fills only), so a refill queues behind running rounds."""
+        here waits for the GPU (device-to-device copies and fills only), so a refill queues behind running rounds.
+        A prompt staged by `ahead` and not loaded is dropped (its forward is waited for: it used the same buffers)."""
+        self.drop()
+        w = self._buffers(n)
+        self.tokens[w].copy_(tokens[:, :w])
+        self.last.fill_(n - 1)
+        self._replay(w)
+        self.row.fill_(r)
+        self._replay("copy")
+        return self.logits[w]
+
+    def ahead(self, key, prompt: list[int]) -> None:
+        """Run the staging forward of `prompt` (token ids) now, on the side stream where there is one, behind
+        everything the current stream was given so far; `load` copies it into a row later. `key` names the prompt
+        for the caller (`staged`). Why: under continuous batching a refill's forward (1.6 ms of GPU time on the H200,
+        `h200-2026-12-03d`) otherwise runs in the rounds' stream with every other row waiting; the rounds of a small
+        target leave most of the GPU idle, so beside them it costs the rows little. Off CUDA it runs in order, now,
+        which is what the tests compare: the forward writes only the staging buffers, so when it runs cannot change
+        what the rounds compute."""
+        self.drop()
+        n = len(prompt)
+        w = self._buffers(n)
+        host = torch.zeros(1, w, dtype=torch.long, pin_memory=self.side is not None)  # [1, w] padded prompt
+        host[0, :n] = torch.as_tensor(prompt, dtype=torch.long)
+        if self.side is None:
+            self.tokens[w].copy_(host)
+            self.last.fill_(n - 1)
+            self._replay(w)
+        else:
+            self.released.record()  # copy-ins and first-token reads queued so far come first
+            with torch.cuda.stream(self.side):
+                self.side.wait_event(self.released)
+                self.tokens[w].copy_(host, non_blocking=True)  # (pinned: kept by the allocator until copied)
+                self.last.fill_(n - 1)
+                self._replay(w)
+                self.ready.record()
+        self.staged = (key, n, w)
+
+    def load(self, r: int) -> torch.Tensor:
+        """The prompt `ahead` staged, into batch row r: the current stream waits for its forward (on the GPU, not
+        the host), then copies. Returns its last position's logits `[1, vocab]` as `__call__` does."""
+        if self.staged is None:
+            raise RuntimeError("RowPrefill.load: no prompt was staged with ahead()")
+        w = self.staged[2]
+        self.drop()
+        self.row.fill_(r)
+        self._replay("copy")
+        return self.logits[w]
+
+    def drop(self) -> None:
+        """Forget the staged prompt; the current stream waits for its forward, which writes the staging buffers."""
+        if self.staged is not None and self.ready is not None:
+            torch.cuda.current_stream().wait_event(self.ready)
+        self.staged = None
+
+    def _buffers(self, n: int) -> int:
+        """The width bucket of a prompt of n tokens, its token and logits buffers made on first use."""
         w = self.width(n)
         if w not in self.tokens:
             self.tokens[w] = torch.zeros(1, w, dtype=torch.long, device=self.row.device)
             self.logits[w] = torch.zeros(1, self.engine.target.config.get_text_config().vocab_size,
                                          dtype=torch.float32, device=self.row.device)
-        self.tokens[w].copy_(tokens[:, :w])
-        self.row.fill_(r)
-        self.last.fill_(n - 1)
-        if self.use_graphs and w not in self.graphs:
-            try:
-                # what `_fill` writes: the staging buffers and the batch's caches (shared by every state of batch b)
-                own = [self.row, self.last, self.tokens[w], self.logits[w]] + self.cache.k + self.cache.v
-                own += self.st.cache.k + self.st.cache.v
-                if self.dcache is not None:
-                    own += self.dcache.keys + self.dcache.values + self.st.dcache.keys + self.st.dcache.values
-                self.graphs[w] = capture_round(lambda: self._run(self.tokens[w], self.logits[w]), own)
-            except Exception as e:  # noqa: BLE001  (as for rounds: what cannot be captured runs eagerly)
-                # a failed capture is a property of the model, not of the width: stop trying (one warning, no
-                # further capture attempts, each of which runs the prefill several times)
-                self.graphs[w] = None
-                self.use_graphs = False
-                warnings.warn(f"CUDA-graph capture of the row prefill (width {w}) failed; prefilling eagerly from now "
-                              f"on: {type(e).__name__}: {e}", stacklevel=3)
-        graph = self.graphs.get(w) if self.use_graphs else None
-        if graph is not None:
-            graph.replay()
-        else:
-            self._run(self.tokens[w], self.logits[w])
-        return self.logits[w]
+        return w
+
+    def _replay(self, key) -> None:
+        """The forward at width `key` (an int) or the copy-in ("copy"): its graph, captured on first use where graphs
+        are on, else the compiled or eager function. The Triton attention inside uses the prefill's own split counters
+        (`counter_lane`), since `ahead` runs beside the rounds."""
+        forward = key != "copy"
+        run = (lambda: self._run(self.tokens[key], self.logits[key])) if forward else self._copy_fn
+        with counter_lane("row_prefill"):
+            if self.use_graphs and key not in self.graphs:
+                try:
+                    # what it writes: the staging buffers (forward); the batch's caches (copy-in, every state's)
+                    pairs = self._pairs()
+                    own = ([self.last, self.tokens[key], self.logits[key]] + [small for _, small in pairs] if forward
+                           else [self.row] + [big for big, _ in pairs])
+                    self.graphs[key] = capture_round(run, own, stream=self.capture_stream if forward else None)
+                except Exception as e:  # noqa: BLE001  (as for rounds: what cannot be captured runs eagerly)
+                    # a failed capture is a property of the model, not of the width: stop trying (one warning, no
+                    # further capture attempts, each of which runs the prefill several times)
+                    self.graphs[key] = None
+                    self.use_graphs = False
+                    warnings.warn(f"CUDA-graph capture of the row prefill ({'width ' + str(key) if forward else key}) "
+                                  f"failed; prefilling eagerly from now on: {type(e).__name__}: {e}", stacklevel=4)
+            graph = self.graphs.get(key) if self.use_graphs else None
+            if graph is not None:
+                graph.replay()
+            else:
+                run()
 
     def _run(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
-        """`_fill` through its compiled function; a failed compile over a dynamic width falls back to compiling per
-        width (warned once). A fill is idempotent (it writes the same rows again), so the retry loses nothing."""
+        """`_forward` through its compiled function; a failed compile over a dynamic width falls back to compiling per
+        width (warned once). A forward is idempotent (it writes the same rows again), so the retry loses nothing."""
         try:
             if self.dynamic_width:  # a fresh view is marked, not the staging tensor: a fallback compiles that static
                 tokens = tokens.view(tokens.shape)
                 torch._dynamo.maybe_mark_dynamic(tokens, 1)
-            self._fill_fn(tokens, logits)
+            self._forward_fn(tokens, logits)
         except Exception as e:  # noqa: BLE001  (whatever the dynamic compile raised; the static one may still work)
             if not self.dynamic_width:  # (set only for a compiled prefill)
                 raise
             warnings.warn(f"compiling the row prefill over a dynamic prompt width failed; compiling it per width "
-                          f"bucket from now on: {type(e).__name__}: {e}", stacklevel=3)
+                          f"bucket from now on: {type(e).__name__}: {e}", stacklevel=4)
             self.dynamic_width = False
-            self._fill_fn = self.engine._compiled(self._fill)
-            self._fill_fn(self.tokens[tokens.shape[1]], logits)
+            self._forward_fn = self.engine._compiled(self._forward)
+            self._forward_fn(self.tokens[tokens.shape[1]], logits)
 
 
 class ReadOut:

@@ -32,8 +32,9 @@ splitting, so short contexts pay only the scan of the extra programs. Otherwise 
 and unnormalised output (fp32) to a workspace and bumps an arrival counter; the part that arrives last folds all of them
 together, writes the output and sets the counter back to zero. So the split costs no second kernel and no memset between
 layers, which at this model's size would cost about as much as the attention itself. The counters live for the process
-(`_counters`, allocated before any capture), one set per device: two split launches running at once on one device (two
-streams) would share them, so decode on one stream per device, as the engine does.
+(`_counters`, allocated before any capture), one set per device and lane: two split launches running at once (two
+streams) must not share them, so the engine decodes on one stream and runs the row prefill's forward, which may run on
+a side stream beside the rounds, in a lane of its own (`counter_lane`).
 
 On the H200 (bf16, 200 committed keys of 640) `scan` with 128-key blocks and 4 warps was the fastest setting tried:
 5.7 / 8.3 us a layer at 1 / 47 query rows against SDPA's 6.6 / 14.0 (`h200-2026-12-03b`; `skip` 9.9 / 10.9).
@@ -53,6 +54,7 @@ that is how the CPU tests check it (slow, tests only; `tests/test_triton_attenti
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -209,10 +211,24 @@ if triton is not None:
 _COUNTERS: dict = {}
 _RETIRED: list = []
 MAX_SPLITS = 16
+_LANES = [""]  # the counter lane of the calls made now (`counter_lane`); "" for the rounds
+
+
+@contextlib.contextmanager
+def counter_lane(name: str):
+    """Split launches inside use counters of their own (per device and lane). Why: the counters are shared by every
+    split launch of a lane, which is safe only while those launches run one after another; the row prefill's forward
+    can run on a side stream beside a round (`RowPrefill.ahead`), so it takes its own lane. A captured graph keeps
+    the counters of the lane it was captured in."""
+    _LANES.append(name)
+    try:
+        yield
+    finally:
+        _LANES.pop()
 
 
 def _counters(device, n: int) -> torch.Tensor:
-    key = str(device)
+    key = (str(device), _LANES[-1])
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
