@@ -2,6 +2,7 @@
 a wider tree accepts at least as much per round, the K/V move, sampled trees that follow the target's law, and clear
 errors."""
 
+import re
 import sys
 from pathlib import Path
 
@@ -76,7 +77,8 @@ def test_compiled_tree_round_equals_eager():
 
 @pytest.mark.parametrize("mode", ["tree_lookup", "linear"])
 def test_compiled_round_is_one_graph(mode):
-    """A compiled round (and the compiled row prefill's two steps) each trace as one graph on a fresh target
+    """A compiled round (and the compiled row prefill's two steps) each trace as one graph on a fresh target, but for
+    the tree round's one deliberate split (`test_compiled_rounds_write_the_caches_in_place`)
     (`examples/compile_census.py`, which decodes a mode as a user's first call). Until 2026-12-03 two things broke
     them: the tree's tensors were made on the first round, inside the compiled function, and their Python loop broke
     the tree round twice; and transformers installed its hidden-state hooks on the first forward that asked for hidden
@@ -87,7 +89,45 @@ def test_compiled_round_is_one_graph(mode):
 
     row = census(mode)
     assert row["last_mode"] == "eager +compile"
-    assert (row["graphs"], row["breaks"]) == (3, 0), row  # the row prefill's forward and copy-in, the round; no break
+    if mode == "linear":  # the row prefill's forward and copy-in, the round; no break
+        assert (row["graphs"], row["breaks"]) == (3, 0), row
+    else:  # the tree round in two graphs, split on purpose between the verify and the move (`_tree_round`)
+        assert (row["graphs"], row["breaks"]) == (4, 1), row
+        assert all("graph_break()" in reason for reason in row["reasons"]), row
+
+
+def _whole_cache_buffers(codes, caches) -> int:
+    """Buffers the generated code allocates with as many elements as one of `caches` (a whole-cache copy)."""
+    sizes = {c.numel() for c in caches}
+    found = 0
+    for code in codes:
+        for shape in re.findall(r"empty_strided_cpu\(\(([\d, ]+)\)", code):
+            found += torch.Size(int(x) for x in shape.split(",") if x.strip()).numel() in sizes
+    return found
+
+
+def test_compiled_rounds_write_the_caches_in_place():
+    """Inductor (its C++ backend here; the decision is the same for Triton) compiles a tree + lookup round at batch 2
+    with the eager engine's tokens and rounds, and allocates no buffer the size of a KV cache: every cache write goes
+    into the cache in place. Before 2026-12-05 each of the round's `scatter_` writes into a cache became a copy of
+    the whole cache, written back at the graph's end (two passes over every layer's K and V a round), and the tree
+    round's second write of each cache (the move of the accepted path) did the same until the round was split before
+    it. `examples/kernel_census.py` counts the same on the SmolLM2-shaped target."""
+    from torch._inductor.utils import run_and_get_code
+
+    target = build_target("llama", seed=5)
+    drafter = build_drafter(target, "dflash", True)
+    prompts = _prompts(1, (4, 9))
+    kw = dict(max_new_tokens=20, tree=WIDE, tree_nodes=5, prompt_lookup_num_tokens=3)
+    eager = SpeculativeEngine(target, drafter, max_len=96)
+    ref = eager.generate(prompts, **kw)
+    fast = SpeculativeEngine(target, drafter, max_len=96, compile=True)
+    torch._dynamo.reset()
+    out, codes = run_and_get_code(lambda: fast.generate(prompts, **kw))
+    assert out == ref and fast.rounds == eager.rounds and fast.last_mode == "eager +compile"
+    cache, dcache = fast._caches[2]
+    assert _whole_cache_buffers(codes, cache.k + dcache.keys) == 0
+    assert len(codes) == 2  # the round's two graphs (the prefill is the batched eager one)
 
 
 def test_accept_tree_picks_the_matching_path():

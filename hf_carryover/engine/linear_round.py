@@ -155,16 +155,17 @@ class LinearRounds:
         first_eos = torch.where(eos_kept.any(1), eos_kept.long().argmax(1), torch.full_like(a, k + 1))
         keep &= idx <= first_eos[:, None]
         slots = (n_out[:, None] + idx).clamp(max=st.cap - 1)
-        st.out.scatter_(1, slots, torch.where(keep, emitted, st.out.gather(1, slots)))
+        # index_put_ rather than scatter_, as for the caches (`put_positions`): written in place when compiled
+        st.out.index_put_((st.rows, slots), torch.where(keep, emitted, st.out.gather(1, slots)))
         if lookup:  # the committed sequence grows by the kept tokens, after the anchor
             at = (st.anchor_pos[:, None] + 1 + idx).clamp(max=st.seq.shape[1] - 1)
-            st.seq.scatter_(1, at, torch.where(keep, emitted, st.seq.gather(1, at)))
+            st.seq.index_put_((st.rows, at), torch.where(keep, emitted, st.seq.gather(1, at)))
         if a_log is None:  # tokens kept minus one; a round with no room for a draft is no draft round, as above
             a_log = torch.where(st.max_new - n_out - 1 > 0, keep.sum(1) - 1, torch.full_like(a, -1))
         col = st.round.clamp(max=st.accepted.shape[1] - 1)[:, None]  # [b, 1]: each row's column for this round
-        st.accepted.scatter_(1, col, torch.where(done, torch.full_like(a, -1), a_log)[:, None])
+        st.accepted.index_put_((st.rows, col), torch.where(done, torch.full_like(a, -1), a_log)[:, None])
         if lookup:  # `looked` has `accepted`'s shape: the same column
-            st.looked.scatter_(1, col, (hit & ~done)[:, None])
+            st.looked.index_put_((st.rows, col), (hit & ~done)[:, None])
         st.round.add_(1)
         new_n_out = n_out + keep.sum(1)
         new_done = done | (new_n_out >= st.max_new) | eos_kept.any(1)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..modeling_drafter import DrafterStaticCache  # noqa: F401  (re-exported: it is remote code, for generate() too)
+from ..modeling_drafter import DrafterStaticCache, put_positions  # noqa: F401  (re-exported: remote code, generate() too)
 
 
 class TargetStaticCache:
@@ -42,21 +42,20 @@ class TargetStaticCache:
         self.max_len = max_len
         # key positions `arange(max_len)`, made once (no per-round arange); the engine passes its own `_steps`
         self._keys = key_positions if key_positions is not None else torch.arange(max_len, device=device)
+        self.rows = torch.arange(batch, device=device)[:, None]  # [b, 1]: the batch index of `put_positions`
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        # [b, n] -> [b, kv_heads, n, head_dim] index for scatter along the position axis
-        idx = self.positions[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[-1])
-        self.k[layer_idx].scatter_(2, idx, key_states.to(self.k[layer_idx].dtype))
-        self.v[layer_idx].scatter_(2, idx, value_states.to(self.v[layer_idx].dtype))
+        # the new rows [b, kv_heads, n, head_dim] at `positions` [b, n] (in place, see `put_positions`)
+        put_positions(self.k[layer_idx], self.rows, self.positions, key_states)
+        put_positions(self.v[layer_idx], self.rows, self.positions, value_states)
         return self.k[layer_idx], self.v[layer_idx]
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V rows at slots `src` `[b, n]` to slots `dst` `[b, n]` (read all, then write all)."""
         _, h, _, d = self.k[0].shape
         src = src[:, None, :, None].expand(-1, h, -1, d)  # [b, kv_heads, n, head_dim]
-        dst = dst[:, None, :, None].expand(-1, h, -1, d)
         for buf in self.k + self.v:
-            buf.scatter_(2, dst, buf.gather(2, src))
+            put_positions(buf, self.rows, dst, buf.gather(2, src))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # positions are always passed explicitly

@@ -80,6 +80,13 @@ class TreeRounds:
         else:
             choice = logits.argmax(-1)
         a, path, nxt = accept_tree(tokens, valid, choice, t)
+        # Compiled rounds are split here on purpose: the verify forward above wrote every layer's K/V into the caches
+        # (`TargetStaticCache.update`) and the move below writes them again. Inductor writes a graph input in place
+        # only for its graph's last write to it; an earlier one becomes a copy of the whole cache, written back at the
+        # graph's end: two passes over all 60 caches a round (counted on CPU: `tests/test_engine_tree.py`). Split,
+        # each graph writes each cache once, in place. (No-op when not compiling; captured rounds still replay as one
+        # CUDA graph.)
+        torch._dynamo.graph_break()
         st.cache.move(slots.gather(1, path), slots)  # the accepted path's K/V to slots anchor_pos + depth
         m = min(n, k + 1)  # the drafter's context needs rows 0..a (a <= depth <= k)
         rows = feats.gather(1, path[:, :m, None].expand(-1, -1, feats.shape[-1]))  # [b, m, F]

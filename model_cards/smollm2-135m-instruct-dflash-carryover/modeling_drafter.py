@@ -71,6 +71,16 @@ class DrafterContextCache:
         self.valid = valid if self.valid is None else torch.cat([self.valid, valid], dim=1)
 
 
+def put_positions(buf: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
+    """`buf[r, :, positions[r, j]] = values[r, :, j]` in place, for a cache `[b, kv_heads, max_len, head_dim]`;
+    `rows` is `arange(b)[:, None]`, `positions` `[b, n]`, `values` `[b, kv_heads, n, head_dim]`.
+
+    Why `index_put_` and not `scatter_`: torch.compile (inductor, torch 2.13) writes an `index_put_` into its input
+    in place, but makes a `scatter_` into an input a copy of the whole buffer, scattered, then copied back: two passes
+    over every layer's cache for each write of a few rows (`tests/test_engine.py` counts the buffers)."""
+    buf.transpose(1, 2).index_put_((rows, positions), values.transpose(1, 2).to(buf.dtype))  # [b, max_len, kvh, hd]
+
+
 class DrafterStaticCache:
     """Committed-context K/V of the drafter, per layer `[b, kv_heads, max_len, head_dim]`, indexed by position.
 
@@ -84,6 +94,7 @@ class DrafterStaticCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.length = max_len
+        self.rows = torch.arange(batch, device=device)[:, None]  # [b, 1]: the batch index of `put_positions`
 
     @torch.no_grad()
     def write(self, drafter, fused: torch.Tensor, positions: torch.Tensor) -> None:
@@ -91,9 +102,8 @@ class DrafterStaticCache:
         cos, sin = drafter.rotary_emb(fused, positions)
         for i, layer in enumerate(drafter.layers):
             k, v = layer.self_attn.project_kv(fused, cos, sin)  # [b, kvh, n, hd]
-            idx = positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
-            self.keys[i].scatter_(2, idx, k.to(self.keys[i].dtype))
-            self.values[i].scatter_(2, idx, v.to(self.values[i].dtype))
+            put_positions(self.keys[i], self.rows, positions, k)
+            put_positions(self.values[i], self.rows, positions, v)
 
 
 _FLEX = []
