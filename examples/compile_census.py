@@ -6,7 +6,8 @@ found in three pieces and a linear round with its prefill in five (`examples/res
 decodes with tiny random models on the CPU, each mode on a fresh target (as a user's first call), with
 `compile="aot_eager"` (Dynamo's tracing without inductor's code generation) and the row prefill compiled as on the
 GPU, and records Dynamo's counters: graphs traced (the row prefill is two: its forward and its copy-in) and graph breaks
-by reason.
+by reason. A tree round is two graphs on purpose, split before its K/V move (`_tree_round`: so that each graph writes
+each cache once, in place).
 
     python examples/compile_census.py --out census.json
 """

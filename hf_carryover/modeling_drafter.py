@@ -77,7 +77,7 @@ def put_positions(buf: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
 
     Why `index_put_` and not `scatter_`: torch.compile (inductor, torch 2.13) writes an `index_put_` into its input
     in place, but makes a `scatter_` into an input a copy of the whole buffer, scattered, then copied back: two passes
-    over every layer's cache for each write of a few rows (`tests/test_engine.py` counts the buffers)."""
+    over every layer's cache for each write of a few rows (`tests/test_engine_tree.py` counts the buffers)."""
     buf.transpose(1, 2).index_put_((rows, positions), values.transpose(1, 2).to(buf.dtype))  # [b, max_len, kvh, hd]
 
 
