@@ -312,6 +312,8 @@ def main():
                                         **lk))
                                     row[f"{tag}_continuous_refills"] = max(len(sets[0] + sets[1]) - b, 0)
                                     row[f"{tag}_continuous_launched"] = engine.last_launched
+                            for engine in built.values():
+                                engine.prefill_ahead = False  # (as built, for the rest of the row)
                         row["tau"] = eager.tau if kind == "dflash" else None
                         if real and b == 1:  # the engine against plain greedy decoding of the target itself
                             plain = [target.generate(torch.tensor([x], device=args.device), max_new_tokens=max_new,

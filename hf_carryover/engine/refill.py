@@ -132,12 +132,8 @@ class RowPrefill:
         A prompt staged by `ahead` and not loaded is dropped (its forward is waited for: it used the same buffers)."""
         self.drop()
         w = self._buffers(n)
-        self.tokens[w].copy_(tokens[:, :w])
-        self.last.fill_(n - 1)
-        self._replay(w)
-        self.row.fill_(r)
-        self._replay("copy")
-        return self.logits[w]
+        self._forward_at(w, tokens[:, :w], n)
+        return self._copy_into(r, w)
 
     def ahead(self, key, prompt: list[int]) -> None:
         """Run the staging forward of `prompt` (token ids) now, on the side stream where there is one, behind
@@ -153,16 +149,12 @@ class RowPrefill:
         host = torch.zeros(1, w, dtype=torch.long, pin_memory=self.side is not None)  # [1, w] padded prompt
         host[0, :n] = torch.as_tensor(prompt, dtype=torch.long)
         if self.side is None:
-            self.tokens[w].copy_(host)
-            self.last.fill_(n - 1)
-            self._replay(w)
+            self._forward_at(w, host, n)
         else:
             self.released.record()  # copy-ins and first-token reads queued so far come first
             with torch.cuda.stream(self.side):
                 self.side.wait_event(self.released)
-                self.tokens[w].copy_(host, non_blocking=True)  # (pinned: kept by the allocator until copied)
-                self.last.fill_(n - 1)
-                self._replay(w)
+                self._forward_at(w, host, n)  # (pinned `host`: kept by the allocator until copied)
                 self.ready.record()
         self.staged = (key, n, w)
 
@@ -173,15 +165,26 @@ class RowPrefill:
             raise RuntimeError("RowPrefill.load: no prompt was staged with ahead()")
         w = self.staged[2]
         self.drop()
-        self.row.fill_(r)
-        self._replay("copy")
-        return self.logits[w]
+        return self._copy_into(r, w)
 
     def drop(self) -> None:
         """Forget the staged prompt; the current stream waits for its forward, which writes the staging buffers."""
         if self.staged is not None and self.ready is not None:
             torch.cuda.current_stream().wait_event(self.ready)
         self.staged = None
+
+    def _forward_at(self, w: int, tokens: torch.Tensor, n: int) -> None:
+        """The staging forward of a prompt of n tokens, `tokens` `[1, w]` (padded; on the device, or pinned host
+        memory copied without a wait), on the current stream."""
+        self.tokens[w].copy_(tokens, non_blocking=True)
+        self.last.fill_(n - 1)
+        self._replay(w)
+
+    def _copy_into(self, r: int, w: int) -> torch.Tensor:
+        """The staging caches into batch row r; returns the staged prompt's last-position logits `[1, vocab]`."""
+        self.row.fill_(r)
+        self._replay("copy")
+        return self.logits[w]
 
     def _buffers(self, n: int) -> int:
         """The width bucket of a prompt of n tokens, its token and logits buffers made on first use."""
