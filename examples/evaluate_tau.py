@@ -52,7 +52,8 @@ def load_target(name, dtype, device):
 # spec keys passed to SpeculativeEngine (--engine), not to the drafter's config
 ENGINE_KEYS = ("lookup_siblings", "lookup_confidence", "lookup_min_ngram", "attention", "attention_mode",
                "attention_block_n", "attention_warps", "attention_split_n", "attention_block_m", "attention_min_rows",
-               "run_ahead", "tree_topk", "drafter_attention", "rope_table", "dynamic_prefill", "prefill_ahead")
+               "run_ahead", "tree_topk", "drafter_attention", "rope_table", "dynamic_prefill", "prefill_ahead",
+               "gemv_rows")
 
 
 def load_drafters(specs, dtype, device):

@@ -642,3 +642,29 @@ def test_compiled_round_equals_eager(typ, backend, monkeypatch):
     breaks = counters["graph_break"]
     assert breaks and all("running_mass" in reason for reason in breaks), dict(breaks)
     assert sampled != ref  # the sampled run is not the greedy one in disguise
+
+
+def test_gemv_rows_generates_one_row_gemms_as_reductions():
+    """gemv_rows=1: a batch-1 plain step's frozen GEMMs (per layer q/k/v, o, gate/up, down; and the LM head) become
+    inductor reductions instead of `extern_kernels.mm` calls, with the eager engine's tokens (float64: weights left
+    unpacked, as on CUDA, and the products summed in float64). Two rows keep their GEMMs (M=2 > 1). Without freezing
+    the option is refused by name."""
+    from torch._inductor.utils import run_and_get_code
+
+    target = build_target("llama", seed=7, num_layers=2).double()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 90, (n,), generator=g).tolist() for n in (5, 8)]
+    layers = target.config.num_hidden_layers
+    for rows, rewritten in ((prompts[:1], 4 * layers + 1), (prompts, 0)):
+        ref = SpeculativeEngine(target, None, max_len=96).generate(rows, max_new_tokens=16)
+        mms = []
+        for gemv_rows in (0, 1):
+            fast = SpeculativeEngine(target, None, max_len=96, compile=True, gemv_rows=gemv_rows,
+                                     compile_options={"freezing": True, "fx_graph_cache": False})
+            out, codes = run_and_get_code(lambda: fast.generate(rows, max_new_tokens=16))
+            assert out == ref
+            mms.append(sum(c.count("extern_kernels.mm(") for c in codes))  # the round's and the row prefill's
+        assert fast.fused_projections.gemvs == rewritten
+        assert mms[0] - mms[1] == rewritten  # the prefill (many rows) keeps its GEMMs
+    with pytest.raises(ValueError, match="gemv_rows=1 .*'freezing'"):
+        SpeculativeEngine(target, None, max_len=96, compile=True, gemv_rows=1)

@@ -13,6 +13,13 @@ weights are graph inputs, not constants, and the pass changes nothing (a per-ste
 saves). `SpeculativeEngine` installs it with `freezing=True` unless `compile_options` name the slot themselves.
 On the H200 it took a plain step of the 135M target from 182 GEMMs and 1.254 ms to 122 and 1.051 ms, and a 31-node
 tree round with lookup from 1.986 to 1.802 ms (examples/results/h200-2026-12-02e).
+
+`gemv_rows=N` (off at 0) also rewrites every constant-weight `mm` of at most N rows, after the merge, as a broadcast
+multiply and a sum over the input width, in float32 (float64 models: float64) (`x[:, :, None] * W[None] -> sum(1)`). Why: at one row a GEMM is
+a matrix-vector product that reads 0.1-1 MB and costs about 4 us in cuBLAS, mostly fixed cost (12-03c: 122 of them
+were 0.485 ms of a 1.0 ms plain step). As a reduction, inductor generates the product itself and can fuse what
+surrounds it into the same kernel (a residual add after it, a normalisation's scale before it). Whether that is
+faster is the H200's to say; the rewrite keeps cuBLAS's arithmetic (fp32 products and sums, one rounding at the end).
 """
 from __future__ import annotations
 
@@ -34,12 +41,14 @@ class FuseSharedInputMatmuls(CustomGraphPass):
     the graphs it has seen. A graph inductor does not compile again (taken from one of its caches) does not pass
     through it, so both can read 0 while the loaded code is merged all the same (the H200 rows of 2026-12-05 read 0)."""
 
-    def __init__(self):
+    def __init__(self, gemv_rows: int = 0):
         self.fused = 0
         self.graphs = 0
+        self.gemv_rows = int(gemv_rows)
+        self.gemvs = 0  # mm nodes rewritten as reductions (gemv_rows), over every graph seen
 
-    def uuid(self):
-        return get_hash_for_files((__file__,)) if get_hash_for_files is not None else None
+    def uuid(self):  # the FX graph cache's key: this file's code and the options that change what it does
+        return (get_hash_for_files((__file__,)).hex(), self.gemv_rows) if get_hash_for_files is not None else None
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         gm = graph.owning_module
@@ -62,6 +71,8 @@ class FuseSharedInputMatmuls(CustomGraphPass):
             if len(nodes) > 1:
                 self._fuse(gm, graph, x, nodes)
                 self.fused += len(nodes) - 1
+        if self.gemv_rows:
+            self.gemvs += _as_reductions(graph, self.gemv_rows)
         graph.lint()
 
     @staticmethod
@@ -94,6 +105,41 @@ class FuseSharedInputMatmuls(CustomGraphPass):
                 graph.erase_node(w)
                 if hasattr(gm, w.target):
                     delattr(gm, w.target)
+
+
+def _as_reductions(graph, rows: int) -> int:
+    """Rewrite `mm(x [M, K], W [K, N])` with a constant W and M <= rows as `sum(x[:, :, None] * W[None], 1)` in float32,
+    cast back to the mm's dtype. Returns how many were rewritten."""
+    mm, count = torch.ops.aten.mm.default, 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not mm or node.kwargs:
+            continue
+        x, w = node.args
+        if _constant(x) or not _constant(w) or "val" not in x.meta or "val" not in w.meta:
+            continue
+        xv, wv = x.meta["val"], w.meta["val"]
+        if xv.dim() != 2 or wv.dim() != 2 or not isinstance(xv.shape[0], int) or xv.shape[0] > rows:
+            continue
+        fake_mode, dtype = xv.fake_mode, node.meta["val"].dtype
+        acc = torch.float64 if dtype == torch.float64 else torch.float32  # what a GEMM accumulates in
+
+        def call(op, *args):
+            out = graph.call_function(op, args)
+            with fake_mode:
+                out.meta["val"] = op(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args])
+            return out
+
+        with graph.inserting_before(node):
+            x32 = call(torch.ops.prims.convert_element_type.default, x, acc)
+            w32 = call(torch.ops.prims.convert_element_type.default, w, acc)
+            prod = call(torch.ops.aten.mul.Tensor, call(torch.ops.aten.unsqueeze.default, x32, 2),
+                        call(torch.ops.aten.unsqueeze.default, w32, 0))  # [M, K, 1] * [1, K, N] -> [M, K, N]
+            out = call(torch.ops.prims.convert_element_type.default,
+                       call(torch.ops.aten.sum.dim_IntList, prod, [1]), dtype)  # [M, N]
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        count += 1
+    return count
 
 
 __all__ = ["FuseSharedInputMatmuls"]
