@@ -48,7 +48,10 @@ class FuseSharedInputMatmuls(CustomGraphPass):
         self.gemvs = 0  # mm nodes rewritten as reductions (gemv_rows), over every graph seen
 
     def uuid(self):  # the FX graph cache's key: this file's code and the options that change what it does
-        return (get_hash_for_files((__file__,)).hex(), self.gemv_rows) if get_hash_for_files is not None else None
+        if get_hash_for_files is None:
+            return None
+        code = get_hash_for_files((__file__,))
+        return (code.hex() if isinstance(code, bytes) else str(code), self.gemv_rows)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         gm = graph.owning_module
