@@ -228,8 +228,8 @@ def test_prefill_ahead_gives_the_same_tokens_and_rounds():
                (drafter, {"tree": WIDE, "do_sample": True, "seed": 4})]
     for d, extra in configs:
         kw = dict(max_new_tokens=max_new, eos_token_id=eos, **extra)
-        plain = SpeculativeEngine(target, d, max_len=96)
-        ahead = SpeculativeEngine(target, d, max_len=96, prefill_ahead=True)
+        plain = SpeculativeEngine(target, d, max_len=96, prefill_ahead=False)
+        ahead = SpeculativeEngine(target, d, max_len=96)  # (the default)
         for b in (3, 1, 3):
             for pf in (plain._prefills.get((b, False)), ahead._prefills.get((b, False))):
                 if pf is not None:  # staged by a call that never loaded it: its key is a prompt index of this call

@@ -293,6 +293,7 @@ def main():
                         if args.continuous:  # both sets through b rows: refills, captured on the graph engines
                             want = refs[0][0] + refs[1][0]
                             want_rounds = refs[0][1] + refs[1][1]
+                            as_built = {name: engine.prefill_ahead for name, engine in built.items()}
                             for (name, engine), ahead in itertools.product(built.items(), (False, True)):
                                 engine.prefill_ahead = ahead  # next prompt's forward on a side stream
                                 tag = name + ("_ahead" if ahead else "")
@@ -312,8 +313,8 @@ def main():
                                         **lk))
                                     row[f"{tag}_continuous_refills"] = max(len(sets[0] + sets[1]) - b, 0)
                                     row[f"{tag}_continuous_launched"] = engine.last_launched
-                            for engine in built.values():
-                                engine.prefill_ahead = False  # (as built, for the rest of the row)
+                            for name, engine in built.items():
+                                engine.prefill_ahead = as_built[name]  # (for the rest of the row)
                         row["tau"] = eager.tau if kind == "dflash" else None
                         if real and b == 1:  # the engine against plain greedy decoding of the target itself
                             plain = [target.generate(torch.tensor([x], device=args.device), max_new_tokens=max_new,
