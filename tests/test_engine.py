@@ -647,8 +647,8 @@ def test_compiled_round_equals_eager(typ, backend, monkeypatch):
 def test_gemv_rows_generates_one_row_gemms_as_reductions():
     """gemv_rows=1: a batch-1 plain step's frozen GEMMs (per layer q/k/v, o, gate/up, down; and the LM head) become
     inductor reductions instead of `extern_kernels.mm` calls, with the eager engine's tokens (float64: weights left
-    unpacked, as on CUDA, and the products summed in float64). Two rows keep their GEMMs (M=2 > 1). Without freezing
-    the option is refused by name."""
+    unpacked, as on CUDA, and the products summed in float64). Two rows keep their GEMMs (M=2 > 1). Without freezing,
+    or as anything but a whole number of rows, the option is refused by name."""
     from torch._inductor.utils import run_and_get_code
 
     target = build_target("llama", seed=7, num_layers=2).double()
@@ -668,3 +668,7 @@ def test_gemv_rows_generates_one_row_gemms_as_reductions():
         assert mms[0] - mms[1] == rewritten  # the prefill (many rows) keeps its GEMMs
     with pytest.raises(ValueError, match="gemv_rows=1 .*'freezing'"):
         SpeculativeEngine(target, None, max_len=96, compile=True, gemv_rows=1)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="gemv_rows=.*: a number of rows"):
+            SpeculativeEngine(target, None, max_len=96, compile=True, gemv_rows=bad,
+                              compile_options={"freezing": True})

@@ -267,6 +267,8 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
             raise ValueError(f"compile_options={compile_options} are inductor options: they need compile=True "
                              f"(the inductor backend), not compile={compile!r}.")
         self.compile_options = dict(compile_options or {})
+        if not isinstance(gemv_rows, int) or isinstance(gemv_rows, bool) or gemv_rows < 0:
+            raise ValueError(f"gemv_rows={gemv_rows!r}: a number of rows, 0 (off) or more.")
         if gemv_rows and not (compile and self.compile_options.get("freezing")
                               and "post_grad_custom_pre_pass" not in self.compile_options):
             raise ValueError(f"gemv_rows={gemv_rows} rewrites the frozen weights' GEMMs in the engine's own inductor "

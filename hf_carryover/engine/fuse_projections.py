@@ -17,10 +17,10 @@ tree round with lookup from 1.986 to 1.802 ms (examples/results/h200-2026-12-02e
 `gemv_rows=N` (off at 0) also rewrites every constant-weight `mm` of at most N rows, after the merge, as a broadcast
 multiply and a sum over the input width (`x[:, :, None] * W[None] -> sum(1)`), in float32 (float64 models: float64).
 Why: at one row a GEMM is a matrix-vector product that reads 0.1-1 MB and costs about 4 us in cuBLAS, mostly fixed
-cost (12-03c: 122 of them were 0.485 ms of a 1.0 ms plain step). As a reduction, inductor generates the product itself and can fuse what
-surrounds it into the same kernel (a normalisation's scale before it). On the H200 a batch-1 plain step of the 135M
-target took 0.948 ms against 1.040 (examples/results/h200-2026-12-05b). The rewrite keeps a GEMM's arithmetic (fp32
-products and sums, one rounding at the end), in another order.
+cost (12-03c: 122 of them were 0.485 ms of a 1.0 ms plain step). As a reduction, inductor generates the product
+itself and can fuse what surrounds it into the same kernel (a normalisation's scale before it). On the H200 a
+batch-1 plain step of the 135M target took 0.948 ms against 1.040 (examples/results/h200-2026-12-05b). The rewrite
+keeps a GEMM's arithmetic (fp32 products and sums, one rounding at the end), in another order.
 """
 from __future__ import annotations
 
@@ -112,8 +112,8 @@ class FuseSharedInputMatmuls(CustomGraphPass):
 
 
 def _as_reductions(graph, rows: int) -> int:
-    """Rewrite `mm(x [M, K], W [K, N])` with a constant W and M <= rows as `sum(x[:, :, None] * W[None], 1)` in float32,
-    cast back to the mm's dtype. Returns how many were rewritten."""
+    """Rewrite `mm(x [M, K], W [K, N])` with a constant W and M <= rows as `sum(x[:, :, None] * W[None], 1)` in float32
+    (float64 for float64 models), cast back to the mm's dtype. Returns how many were rewritten."""
     mm, count = torch.ops.aten.mm.default, 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not mm or node.kwargs:
