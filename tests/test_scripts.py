@@ -315,7 +315,8 @@ def test_evaluate_tau_refuses_engine_keys_without_engine(tmp_path, monkeypatch):
                     ["--drafters", "x=nowhere,lookup=4,lookup_siblings=false", "--out", tmp_path], tmp_path)
     message = str(refused.value.code)
     assert "]: lookup_siblings (of lookup_siblings/" in message, message
-    assert "prefill_ahead) are SpeculativeEngine arguments: they need --engine" in message
+    from evaluate_tau import ENGINE_KEYS
+    assert f"{'/'.join(ENGINE_KEYS)}) are SpeculativeEngine arguments: they need --engine" in message
 
 
 def test_evaluate_tau_cut_run_keeps_its_command(tmp_path, monkeypatch):
@@ -383,7 +384,7 @@ def test_evaluate_tau_cut_run_keeps_its_command(tmp_path, monkeypatch):
         run(*lk, "--offline", "--out", tmp_path / "lk3")
 
 
-def test_gpu_engine_check_tiny_cpu(tmp_path, monkeypatch):
+def test_gpu_engine_check_tiny_cpu(tmp_path, monkeypatch, capsys):
     """trainer/gpu_engine_check.py end to end on CPU with a tiny target: every row present, exact, no errors
     (the graph engine runs eagerly here, so this checks the plumbing, not the graphs)."""
     out = tmp_path / "engine_check.json"
@@ -405,14 +406,20 @@ def test_gpu_engine_check_tiny_cpu(tmp_path, monkeypatch):
     assert all(r["eager_tok_per_s"] > 0 and r["graph_tok_per_s"] > 0 for r in rows if r["dtype"] == "bf16")
     # --compile (the H200 run's form): compiled greedy rounds exact, and a compiled sampled call draws the eager tokens
     # (a process of its own: the script's command line, and Dynamo's state stays out of this one)
-    # (--engine_options: every engine on the RoPE tables here, recorded)
+    # (--engine_options: every engine on the RoPE tables here, recorded; --compile_engine_options: the compiled
+    # engine's own, recorded, and refused without --compile)
+    with pytest.raises(SystemExit):
+        _in_process(monkeypatch, script, cmd[2:-2] + ["--compile_engine_options", "gemv_rows=1", "--out", str(out)], tmp_path)
+    assert "--compile_engine_options are the compiled engine's: they need --compile" in capsys.readouterr().err
     cmd_c = cmd[:-3] + ["--compile", "--compile_backend", "aot_eager", "--dtypes", "fp32", "--kinds", "dflash",
-                        "--batch_sizes", "1", "--engine_options", "rope_table=True", "--out", str(out)]
+                        "--batch_sizes", "1", "--engine_options", "rope_table=True",
+                        "--compile_engine_options", "run_ahead=False", "--out", str(out)]
     res = subprocess.run(cmd_c, env=env, capture_output=True, text=True, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     summary_c = json.loads(out.read_text())
     (row,) = summary_c["rows"]
     assert summary_c["engine_options"] == {"rope_table": True}
+    assert summary_c["compile_engine_options"] == {"run_ahead": False}
     assert row["compile_exact"] and row["compile_sampled_same_tokens"], row
     assert row["compile_sampled_mode"] == "eager (no CUDA) +compile"
     # --lookup --deterministic: looping prompts, so lookup rounds and drafter-free rounds happen; the skipping eager

@@ -180,6 +180,9 @@ def main():
                    "installed)")
     p.add_argument("--engine_options", nargs="+", default=[], metavar="KEY=VALUE", help="SpeculativeEngine arguments "
                    "for every engine (e.g. rope_table=True drafter_attention=sdpa), recorded as engine_options")
+    p.add_argument("--compile_engine_options", nargs="+", default=[], metavar="KEY=VALUE", help="SpeculativeEngine "
+                   "arguments for the compiled engine only (e.g. gemv_rows=64: its GEMMs as generated reductions, "
+                   "which only a compiled engine can take), recorded as compile_engine_options")
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True, "
                    "warn_only=True) and CUBLAS_WORKSPACE_CONFIG=:4096:8: does run-to-run or eager/replay variation go?")
     args = p.parse_args()
@@ -203,6 +206,9 @@ def main():
     engine_options = parse_engine_options(args.engine_options)
     if "attention" in engine_options:
         p.error("--engine_options attention=...: use --attention")
+    compile_engine_options = parse_engine_options(args.compile_engine_options)
+    if compile_engine_options and not args.compile:
+        p.error("--compile_engine_options are the compiled engine's: they need --compile")
     if compile_options and (not args.compile or args.compile_backend != "inductor"):
         p.error("--inductor sets options of the inductor-compiled engine: it needs --compile (backend inductor)")
     real = None
@@ -216,7 +222,8 @@ def main():
     res = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else args.device,
            "torch": torch.__version__, "transformers": transformers.__version__,
            "commit": environment()["commit"], "tiny": args.tiny,
-           "compile_options": args.inductor, "engine_options": engine_options, "max_new_tokens": max_new,
+           "compile_options": args.inductor, "engine_options": engine_options,
+           "compile_engine_options": compile_engine_options, "max_new_tokens": max_new,
            "target": args.target or "random SmolLM2-shaped",
            "drafter": args.drafter or "random dflash (Carryover on)",
            "prompts": f"{args.prompts_dir}/{args.dataset}" if real else "random tokens", "lookup": args.lookup,
@@ -243,7 +250,8 @@ def main():
             out["eager_skip"] = SpeculativeEngine(target, drafter, max_len=max_len)
         if args.compile:
             out["graph_compile"] = SpeculativeEngine(target, drafter, max_len=max_len, cuda_graphs=True,
-                                                   compile=args.compile_backend, compile_options=compile_options)
+                                                   compile=args.compile_backend, compile_options=compile_options,
+                                                   **compile_engine_options)
         return out
 
     for dtype_name in args.dtypes:

@@ -626,7 +626,8 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
   # prefill_ahead), CHECK_COMPILE=0: graph engines without the compiled one, CHECK_INDUCTOR="freezing=True": the
   # compiled engine's inductor options,
   # CHECK_TREE=N with CHECK_DRAFTER: its draft_tree.json, N nodes a round, CHECK_ATTENTION=triton: every engine on the
-  # Triton attention kernel; CHECK_ENGINE="rope_table=True": SpeculativeEngine arguments of every engine): a random
+  # Triton attention kernel; CHECK_ENGINE="rope_table=True": SpeculativeEngine arguments of every engine;
+  # CHECK_COMPILE_ENGINE="gemv_rows=64": those of the compiled engine only): a random
   # drafter, or with CHECK_DRAFTER=NAME a trained one on the real target, also against plain greedy decoding. The job
   # "gencheck" checks generate()'s static rounds (trainer/gpu_generate_check.py, GENCHECK_* below). The job
   # "replaydiff" compares eager and replayed rounds round by round (trainer/gpu_replay_diff.py, REPLAY_* below).
@@ -645,6 +646,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
         ${CHECK_DETERMINISTIC:+--deterministic} ${CHECK_CONTINUOUS:+--continuous} \
         ${CHECK_INDUCTOR:+--inductor $CHECK_INDUCTOR} ${CHECK_TREE:+--tree ${f:?CHECK_TREE needs CHECK_DRAFTER}/draft_tree.json \
         --tree_nodes $CHECK_TREE} ${CHECK_ATTENTION:+--attention $CHECK_ATTENTION} ${CHECK_ENGINE:+--engine_options $CHECK_ENGINE} \
+        ${CHECK_COMPILE_ENGINE:+--compile_engine_options $CHECK_COMPILE_ENGINE} \
         --out $R/${stamp}_engine_check_fp32.json \
         > "$L/check_$stamp.log" 2>&1 || log "engine check stopped: $?"
       flush; return
