@@ -27,8 +27,8 @@ class DecodeState:
             return torch.zeros(shape, dtype=dtype, device=device)
 
         self.b, self.k, self.max_new, self.cap = b, k, max_new, max_new + k + 1
-        self.rows = torch.arange(b, device=device)[:, None]  # [b, 1]: the batch index of index_put_ writes
         self.cache, self.dcache = caches
+        self.rows = self.cache.rows  # [b, 1] `arange(b)`: the batch index of index_put_ writes (the caches' own)
         self.anchor, self.anchor_pos, self.n_out = zeros(b), zeros(b), zeros(b)  # token, its position, emitted
         self.done = zeros(b, dtype=torch.bool)
         self.out = zeros(b, self.cap)  # generated tokens; a round addresses slots n_out..n_out+k, hence k+1 spare
