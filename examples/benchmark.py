@@ -302,8 +302,7 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
         # caches), where 0 would not mean "nothing merged" (until 2026-12-05 it read 0 then)
         if not engine.fused_projections.graphs:
             res["fused_gemms"] = None
-        if engine.fused_projections.gemv_rows:  # GEMMs generated as reductions (the engine's gemv_rows)
-            res["gemv_rows"], res["gemvs"] = engine.fused_projections.gemv_rows, engine.fused_projections.gemvs
+        res.update(engine.fused_projections.gemv_record())  # GEMMs generated as reductions (gemv_rows), if any
     if engine.profile and engine.timing["rounds"]:
         n = engine.timing["rounds"]
         res["per_round_s"] = {p: engine.timing[p] / n for p in ("draft", "verify", "other")}

@@ -65,7 +65,8 @@ def _codegen_only() -> None:
     async_compile.AsyncCompile.triton = lambda self, *a, **k: _NoKernel()
 
 
-def census(mode: str, batch: int, inductor: dict, gemv_rows: int = 0, max_len: int = 640) -> dict:
+def census(mode: str, batch: int, inductor: dict, gemv_rows: int = 0, max_len: int = 640,
+           gemv_fusion: bool = True) -> dict:
     """One round of `mode` at batch `batch`, compiled: its graphs, launches by kind, and whole-cache buffers."""
     from gpu_check import smollm2_shaped
 
@@ -79,7 +80,7 @@ def census(mode: str, batch: int, inductor: dict, gemv_rows: int = 0, max_len: i
         target, drafter_type="dflash", carryover=True, block_size=16, num_hidden_layers=3,
         target_layer_ids=[1, 8, 14, 20, 27], mask_token_id=0).eval()
     engine = SpeculativeEngine(target, drafter, max_len=max_len, compile=True, compile_options=inductor or None,
-                               gemv_rows=gemv_rows)
+                               gemv_rows=gemv_rows, gemv_fusion=gemv_fusion)
     engine.row_prefill = False  # the batched eager prefill: the round is the call's only compile
 
     def stop(st):
@@ -136,6 +137,8 @@ def main(argv=None):
                    help="inductor options of the compiled round, as the benchmark's --inductor (default freezing=True)")
     p.add_argument("--gemv_rows", type=int, default=0, help="the engine's gemv_rows (GEMMs of at most N rows as "
                    "generated reductions)")
+    p.add_argument("--no_gemv_fusion", action="store_true", help="the engine's gemv_fusion=False (the plain "
+                   "rewrite: RMSNorms and gate/up left as they were)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from benchmark import parse_inductor_options
@@ -146,12 +149,13 @@ def main(argv=None):
     rows = []
     for mode in args.modes:
         for b in args.batch_sizes:
-            rows.append(census(mode, b, inductor, args.gemv_rows))
+            rows.append(census(mode, b, inductor, args.gemv_rows, gemv_fusion=not args.no_gemv_fusion))
             r = rows[-1]
             print(f"{mode} b{b}: {r['graphs']} graph(s), {r['launches']} launches {r['by_kind']}, "
                   f"{r['whole_cache_buffers']} whole-cache buffers", flush=True)
     res = {"command": "python " + " ".join([Path(__file__).relative_to(ROOT).as_posix(), *sys.argv[1:]]),
-           "inductor": inductor, "gemv_rows": args.gemv_rows, "env": environment(), "rows": rows}
+           "inductor": inductor, "gemv_rows": args.gemv_rows,
+           "gemv_fusion": not args.no_gemv_fusion, "env": environment(), "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     return res

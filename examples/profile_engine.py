@@ -146,8 +146,7 @@ def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, loo
     if eng.fused_projections is not None:  # GEMMs the engine's pass merged in this mode's compiled graphs
         res["fused_gemms"] = eng.fused_projections.fused if eng.fused_projections.graphs else None  # None: the
         # pass saw no graph (all taken from inductor's caches)
-        if eng.fused_projections.gemv_rows:  # GEMMs it generated as reductions (gemv_rows)
-            res["gemv_rows"], res["gemvs"] = eng.fused_projections.gemv_rows, eng.fused_projections.gemvs
+        res.update(eng.fused_projections.gemv_record())  # GEMMs it generated as reductions (gemv_rows), if any
     for batch in batches[1:]:  # the other prompts' width buckets (a captured row prefill each) outside the timing
         eng.generate(batch, **kw)
     wall, acc, tokens, batch_rounds = 0.0, [], 0, 0

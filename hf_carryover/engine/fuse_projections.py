@@ -42,17 +42,26 @@ class FuseSharedInputMatmuls(CustomGraphPass):
     the graphs it has seen. A graph inductor does not compile again (taken from one of its caches) does not pass
     through it, so both can read 0 while the loaded code is merged all the same (the H200 rows of 2026-12-05 read 0)."""
 
-    def __init__(self, gemv_rows: int = 0):
+    def __init__(self, gemv_rows: int = 0, gemv_fusion: bool = True):
         self.fused = 0
         self.graphs = 0
         self.gemv_rows = int(gemv_rows)
+        self.gemv_fusion = bool(gemv_fusion)
         self.gemvs = 0  # mm nodes rewritten as reductions (gemv_rows), over every graph seen
+        self.gemv_norms = 0  # of them, those with their RMSNorm folded in (gemv_fusion)
+
+    def gemv_record(self) -> dict:
+        """What a benchmark or profile row records of `gemv_rows` (empty when off): the options and what they rewrote."""
+        if not self.gemv_rows:
+            return {}
+        return {"gemv_rows": self.gemv_rows, "gemvs": self.gemvs, "gemv_fusion": self.gemv_fusion,
+                "gemv_norms": self.gemv_norms}
 
     def uuid(self):  # the FX graph cache's key: this file's code and the options that change what it does
         if get_hash_for_files is None:
             return None
         code = get_hash_for_files((__file__,))
-        return (code.hex() if isinstance(code, bytes) else str(code), self.gemv_rows)
+        return (code.hex() if isinstance(code, bytes) else str(code), self.gemv_rows, self.gemv_fusion)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         gm = graph.owning_module
@@ -76,7 +85,9 @@ class FuseSharedInputMatmuls(CustomGraphPass):
                 self._fuse(gm, graph, x, nodes)
                 self.fused += len(nodes) - 1
         if self.gemv_rows:
-            self.gemvs += _as_reductions(graph, self.gemv_rows)
+            gemvs, norms = _as_reductions(graph, self.gemv_rows, self.gemv_fusion)
+            self.gemvs += gemvs
+            self.gemv_norms += norms
         graph.lint()
 
     @staticmethod
@@ -92,7 +103,7 @@ class FuseSharedInputMatmuls(CustomGraphPass):
         first = nodes[0]
         with graph.inserting_before(first):
             w_node = graph.get_attr(name)
-            w_node.meta["val"] = fake_mode.from_tensor(w_cat)
+            w_node.meta["val"] = fake_mode.from_tensor(w_cat, static_shapes=True)  # its sizes are constants
             fused = graph.call_function(torch.ops.aten.mm.default, (x, w_node))
             with fake_mode:
                 fused.meta["val"] = torch.ops.aten.mm.default(x.meta["val"], w_node.meta["val"])
@@ -111,10 +122,12 @@ class FuseSharedInputMatmuls(CustomGraphPass):
                     delattr(gm, w.target)
 
 
-def _as_reductions(graph, rows: int) -> int:
+def _as_reductions(graph, rows: int, fold: bool = False) -> tuple[int, int]:
     """Rewrite `mm(x [M, K], W [K, N])` with a constant W and M <= rows as `sum(x[:, :, None] * W[None], 1)` in float32
-    (float64 for float64 models), cast back to the mm's dtype. Returns how many were rewritten."""
-    mm, count = torch.ops.aten.mm.default, 0
+    (float64 for float64 models), cast back to the mm's dtype. With `fold`, an RMSNorm that makes x is computed inside
+    the reduction (`_rms_norm`), and an mm read only through column slices of one width (gate/up) becomes one
+    reduction per slice. Returns (GEMMs rewritten, norms folded)."""
+    mm, count, folded = torch.ops.aten.mm.default, 0, 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not mm or node.kwargs:
             continue
@@ -124,26 +137,138 @@ def _as_reductions(graph, rows: int) -> int:
         xv, wv = x.meta["val"], w.meta["val"]
         if xv.dim() != 2 or wv.dim() != 2 or not isinstance(xv.shape[0], int) or xv.shape[0] > rows:
             continue
-        fake_mode, dtype = xv.fake_mode, node.meta["val"].dtype
+        if not all(type(d) is int for d in (*xv.shape, *wv.shape)):
+            continue
+        call = _caller(graph, xv.fake_mode)
+        dtype = node.meta["val"].dtype
         acc = torch.float64 if dtype == torch.float64 else torch.float32  # what a GEMM accumulates in
-
-        def call(op, *args):
-            out = graph.call_function(op, args)
-            with fake_mode:
-                out.meta["val"] = op(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args])
-            return out
-
+        norm = _rms_norm(x) if fold else None
+        pieces = _equal_slices(node) if fold else None  # [(slice node, start, end)] or None: the whole output
         with graph.inserting_before(node):
-            x32 = call(torch.ops.prims.convert_element_type.default, x, acc)
             w32 = call(torch.ops.prims.convert_element_type.default, w, acc)
-            prod = call(torch.ops.aten.mul.Tensor, call(torch.ops.aten.unsqueeze.default, x32, 2),
-                        call(torch.ops.aten.unsqueeze.default, w32, 0))  # [M, K, 1] * [1, K, N] -> [M, K, N]
-            out = call(torch.ops.prims.convert_element_type.default,
-                       call(torch.ops.aten.sum.dim_IntList, prod, [1]), dtype)  # [M, N]
-        node.replace_all_uses_with(out)
+            if norm is None:
+                x3 = call(torch.ops.aten.unsqueeze.default, call(torch.ops.prims.convert_element_type.default, x, acc),
+                          2)  # [M, K, 1]
+            for piece, start, end in pieces or [(node, 0, wv.shape[1])]:
+                wp = w32 if pieces is None else call(torch.ops.aten.slice.Tensor, w32, 1, start, end)  # [K, n]
+                if norm is not None:  # the normalised input again for every output column (a [M, K, n] expression)
+                    x3 = call(torch.ops.prims.convert_element_type.default, norm(call, end - start), acc)
+                prod = call(torch.ops.aten.mul.Tensor, x3, call(torch.ops.aten.unsqueeze.default, wp, 0))
+                out = call(torch.ops.prims.convert_element_type.default,
+                           call(torch.ops.aten.sum.dim_IntList, prod, [1]), dtype)  # [M, K, n] -> [M, n]
+                piece.replace_all_uses_with(out)
+        for piece, _, _ in pieces or []:
+            graph.erase_node(piece)
         graph.erase_node(node)
         count += 1
-    return count
+        if norm is not None:
+            folded += 1
+            norm.erase_dead()
+    return count, folded
+
+
+def _caller(graph, fake_mode):
+    def call(op, *args):
+        """A new `op(*args)` node with its fake value (inductor's lowering reads `meta['val']`)."""
+        out = graph.call_function(op, args)
+        with fake_mode:
+            out.meta["val"] = op(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args])
+        return out
+    return call
+
+
+def _equal_slices(node):
+    """[(slice node, start, end)] when every user of the mm `node` is a column slice and all are one width (a merged
+    gate/up), else None. As separate reductions of one width they fuse into one kernel, and with them what reads both
+    (SiLU(gate) * up); the merged reduction's output would have to be written and read back."""
+    users = list(node.users)
+    if len(users) < 2 or any(u.op != "call_function" or u.target is not torch.ops.aten.slice.Tensor
+                             or len(u.args) != 4 or u.args[1] != 1 or u.kwargs
+                             or not all(type(a) is int for a in u.args[2:]) for u in users):
+        return None
+    pieces = [(u, u.args[2], u.args[3]) for u in users]
+    widths = {end - start for _, start, end in pieces}
+    if len(widths) != 1 or sum(end - start for _, start, end in pieces) != node.meta["val"].shape[1]:
+        return None
+    return pieces
+
+
+class _FoldedNorm:
+    """x = reshape(w * cast?(h * rsqrt(mean(h ** 2, -1, keepdim) + eps)), [M, K]), an RMSNorm as transformers writes
+    it (Llama, Qwen, Mistral...), found in the post-grad graph. Called with a width n, it builds the same expression
+    as [M, K, n] with its mean taken over K for every output column: inductor then computes the mean and the GEMV in
+    one kernel (two loops over K), where it launched a reduction for the mean alone. The mean is recomputed per column
+    (K products of a vector that stays in cache); the arithmetic per element is the norm's own, with its casts."""
+
+    def __init__(self, h, eps, weight, weight_first, h_first, cast, chain, m, k):
+        self.h, self.eps, self.weight, self.weight_first, self.h_first = h, eps, weight, weight_first, h_first
+        self.cast, self.chain, self.m, self.k = cast, chain, m, k
+
+    def __call__(self, call, n):
+        """A new expression each call: one node read by two reductions would be written out whole ([M, K, n])."""
+        aten = torch.ops.aten
+        hm = call(aten.reshape.default, self.h, [self.m, self.k])  # [..., K] -> [M, K]
+        sq = call(aten.expand.default, call(aten.unsqueeze.default, call(aten.pow.Tensor_Scalar, hm, 2), 2),
+                  [self.m, self.k, n])  # [M, K, n]
+        var = call(aten.mean.dim, sq, [1], True)  # [M, 1, n]
+        r = call(aten.rsqrt.default, call(aten.add.Tensor, var, self.eps))
+        h3 = call(aten.unsqueeze.default, hm, 2)  # [M, K, 1]
+        y = call(aten.mul.Tensor, h3, r) if self.h_first else call(aten.mul.Tensor, r, h3)  # [M, K, n]
+        if self.cast is not None:
+            y = call(torch.ops.prims.convert_element_type.default, y, self.cast)
+        w3 = call(aten.reshape.default, self.weight, [1, self.k, 1])
+        return call(aten.mul.Tensor, w3, y) if self.weight_first else call(aten.mul.Tensor, y, w3)
+
+    def erase_dead(self):
+        for node in self.chain:  # the norm's own nodes, from its output back to the mean
+            if not node.users:
+                node.graph.erase_node(node)
+
+
+def _rms_norm(x):
+    """The `_FoldedNorm` that makes the mm input `x`, or None when x is anything else."""
+    aten, convert = torch.ops.aten, torch.ops.prims.convert_element_type.default
+
+    def op(node, *targets):
+        return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+    chain = []
+    if not op(x, aten.reshape.default, aten.view.default, aten._unsafe_view.default):
+        return None
+    m, k = x.meta["val"].shape
+    chain.append(x)
+    scaled = x.args[0]
+    if not op(scaled, aten.mul.Tensor) or len(scaled.users) != 1:
+        return None
+    chain.append(scaled)
+    a, b = scaled.args
+    weight_first = _constant(a) and a.meta.get("val") is not None and a.meta["val"].dim() == 1
+    weight, y = (a, b) if weight_first else (b, a)
+    if not (_constant(weight) and weight.meta["val"].shape == (k,)) or not isinstance(y, torch.fx.Node):
+        return None
+    cast = None
+    if op(y, convert):
+        if len(y.users) != 1:
+            return None
+        chain.append(y)
+        cast, y = y.args[1], y.args[0]
+    if not op(y, aten.mul.Tensor) or len(y.users) != 1:
+        return None
+    chain.append(y)
+    for h_first, (h, r) in ((True, y.args), (False, y.args[::-1])):
+        if not (op(r, aten.rsqrt.default) and op(r.args[0], aten.add.Tensor)):
+            continue
+        mean, eps = r.args[0].args
+        if not (op(mean, aten.mean.dim) and isinstance(eps, float) and list(mean.args[1]) in ([-1], [h.meta["val"].dim() - 1])
+                and (mean.args[2:] or mean.kwargs.get("keepdim")) and op(mean.args[0], aten.pow.Tensor_Scalar)
+                and mean.args[0].args == (h, 2)):
+            continue
+        hv = h.meta["val"]
+        if hv.shape[-1] != k or hv.numel() != m * k or any(len(n.users) != 1 for n in (r, r.args[0], mean, mean.args[0])):
+            return None
+        return _FoldedNorm(h, eps, weight, weight_first, h_first, cast, chain + [r, r.args[0], mean, mean.args[0]],
+                           m, k)
+    return None
 
 
 __all__ = ["FuseSharedInputMatmuls"]
