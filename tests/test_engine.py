@@ -650,7 +650,8 @@ def test_gemv_rows_generates_one_row_gemms_as_reductions():
     unpacked, as on CUDA, and the products summed in float64). With gemv_fusion (the default) the RMSNorm before q/k/v,
     before gate/up and before the LM head is computed inside its reduction (2 a layer + 1); without it
     they stay outside. Two rows keep their GEMMs (M=2 > 1). Without freezing, or
-    as anything but a whole number of rows, the option is refused by name."""
+    as anything but a whole number of rows, the option is refused by name. Every compiled engine here also runs the
+    frozen pass's RoPE rewrite (`rotate_half.py`: q and k of each layer), so the tokens check it too."""
     from torch._inductor.utils import run_and_get_code
 
     target = build_target("llama", seed=7, num_layers=2).double()
@@ -666,6 +667,8 @@ def test_gemv_rows_generates_one_row_gemms_as_reductions():
             out, codes = run_and_get_code(lambda: fast.generate(rows, max_new_tokens=16))
             assert out == ref
             mms.append(sum(c.count("extern_kernels.mm(") for c in codes))  # the round's and the row prefill's
+            # every graph's RoPE rotate_half (q and k, each layer) is indexing, not a cat (`rotate_half.py`)
+            assert fast.fused_projections.rotations == 2 * layers * fast.fused_projections.graphs > 0
             if gemv_rows:
                 record = fast.fused_projections.gemv_record()
                 assert record["gemvs"] == rewritten and record["gemv_fusion"] is fusion

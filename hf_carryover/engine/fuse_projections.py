@@ -20,11 +20,18 @@ Why: at one row a GEMM is a matrix-vector product that reads 0.1-1 MB and costs 
 cost (12-03c: 122 of them were 0.485 ms of a 1.0 ms plain step). As a reduction, inductor generates the product
 itself and can fuse what surrounds it into the same kernel (a normalisation's scale before it). On the H200 a
 batch-1 plain step of the 135M target took 0.948 ms against 1.040 (examples/results/h200-2026-12-05b). The rewrite
-keeps a GEMM's arithmetic (fp32 products and sums, one rounding at the end), in another order.
+keeps a GEMM's arithmetic (fp32 products and sums, one rounding at the end), in another order. `gemv_fusion` (on by
+default) also folds the RMSNorm before such a GEMM into it, and splits a merged gate/up (`_FoldedNorm`,
+`_equal_slices`).
+
+The pass also writes RoPE's `rotate_half` concatenations as indexing (`rotate_half.py`), in every frozen graph.
 """
 from __future__ import annotations
 
 import torch
+
+from . import rotate_half
+from .rotate_half import rotate_half_without_cat
 
 try:  # a CustomGraphPass with a uuid keeps inductor's FX graph cache usable
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -49,6 +56,7 @@ class FuseSharedInputMatmuls(CustomGraphPass):
         self.gemv_fusion = bool(gemv_fusion)
         self.gemvs = 0  # mm nodes rewritten as reductions (gemv_rows), over every graph seen
         self.gemv_norms = 0  # of them, those with their RMSNorm folded in (gemv_fusion)
+        self.rotations = 0  # RoPE rotate_half concatenations written as indexing (`rotate_half.py`)
 
     def gemv_record(self) -> dict:
         """What a benchmark or profile row records of `gemv_rows` (empty when off): the options and what they rewrote."""
@@ -60,7 +68,7 @@ class FuseSharedInputMatmuls(CustomGraphPass):
     def uuid(self):  # the FX graph cache's key: this file's code and the options that change what it does
         if get_hash_for_files is None:
             return None
-        code = get_hash_for_files((__file__,))
+        code = get_hash_for_files((__file__, rotate_half.__file__))
         return (code.hex() if isinstance(code, bytes) else str(code), self.gemv_rows, self.gemv_fusion)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
@@ -84,6 +92,7 @@ class FuseSharedInputMatmuls(CustomGraphPass):
             if len(nodes) > 1:
                 self._fuse(gm, graph, x, nodes)
                 self.fused += len(nodes) - 1
+        self.rotations += rotate_half_without_cat(graph)
         if self.gemv_rows:
             gemvs, norms = _as_reductions(graph, self.gemv_rows, self.gemv_fusion)
             self.gemvs += gemvs
