@@ -132,10 +132,11 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         be merged into one GEMM. Inductor's own pattern merges only equal widths (on the H200 with torch 2.11 it
         merged gate/up, 8-10 % faster rounds, examples/results/h200-2026-12-02d), so the engine adds its pass
         `fuse_projections.FuseSharedInputMatmuls` (`self.fused_projections`), which merges q/k/v of grouped-query
-        attention too; naming "post_grad_custom_pre_pass" in the options replaces it (None: off). On CPU inductor
-        packs the weights for oneDNN instead, and merges them itself with "cpp.enable_concat_linear". With freezing
-        the compiled rounds keep the weights they were compiled with (the merged ones as copies): build a new engine
-        after changing them. Their tokens are compared with eager decoding as for any compiled round (tested on CPU).
+        attention too, and writes RoPE's `rotate_half` concatenation as indexing (`rotate_half.py`: same values, no
+        kernels writing halves); naming "post_grad_custom_pre_pass" in the options replaces it (None: off). On CPU
+        inductor packs the weights for oneDNN instead, and merges them itself with "cpp.enable_concat_linear". With
+        freezing the compiled rounds keep the weights they were compiled with (the merged ones as copies): build a new
+        engine after changing them. Their tokens are compared with eager decoding as for any compiled round (tested on CPU).
 
         lookup_skips_drafter=True (with context lookup): a round in which every unfinished row looks up runs without
         the drafter (its drafted block would be discarded anyway; output and rounds are the same either way, tested).
@@ -213,8 +214,8 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         SmolLM2-135M 8.8 % cheaper (1.040 -> 0.948 ms, bf16, 20 MT-Bench prompts, examples/results/h200-2026-12-05b);
         it stays off until the fp32 check of compiled rounds has run with it on the GPU.
 
-        gemv_fusion=True (default; with gemv_rows): an RMSNorm that makes a rewritten GEMM's input is computed inside the
-        reduction (its mean recomputed for every output column), and a merged gate/up GEMM becomes two reductions of
+        gemv_fusion=True (default; with gemv_rows): an RMSNorm that makes a rewritten GEMM's input is computed inside
+        the reduction (its mean recomputed for every output column), and a merged gate/up GEMM becomes two reductions of
         one width, so inductor generates norm + projection (+ SiLU * up) as one kernel where it launched two or three:
         counted on this CPU (`examples/kernel_census.py --gemv_rows 1`, a proxy) a batch-1 plain step of the 135M
         target went from 438 to 347 generated launches. False: the plain rewrite, for comparison."""

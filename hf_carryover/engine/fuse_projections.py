@@ -59,7 +59,7 @@ class FuseSharedInputMatmuls(CustomGraphPass):
         self.rotations = 0  # RoPE rotate_half concatenations written as indexing (`rotate_half.py`)
 
     def gemv_record(self) -> dict:
-        """What a benchmark or profile row records of `gemv_rows` (empty when off): the options and what they rewrote."""
+        """What a benchmark or profile row records of `gemv_rows` (empty when off): the options, what they rewrote."""
         if not self.gemv_rows:
             return {}
         return {"gemv_rows": self.gemv_rows, "gemvs": self.gemvs, "gemv_fusion": self.gemv_fusion,
@@ -264,19 +264,19 @@ def _rms_norm(x):
     if not op(y, aten.mul.Tensor) or len(y.users) != 1:
         return None
     chain.append(y)
-    for h_first, (h, r) in ((True, y.args), (False, y.args[::-1])):
+    for h_first, (h, r) in ((True, y.args), (False, y.args[::-1])):  # y = h * r or r * h
         if not (op(r, aten.rsqrt.default) and op(r.args[0], aten.add.Tensor)):
             continue
-        mean, eps = r.args[0].args
-        if not (op(mean, aten.mean.dim) and isinstance(eps, float) and list(mean.args[1]) in ([-1], [h.meta["val"].dim() - 1])
-                and (mean.args[2:] or mean.kwargs.get("keepdim")) and op(mean.args[0], aten.pow.Tensor_Scalar)
-                and mean.args[0].args == (h, 2)):
+        mean, eps = r.args[0].args  # r = rsqrt(mean + eps)
+        if not (op(mean, aten.mean.dim) and isinstance(eps, float) and op(mean.args[0], aten.pow.Tensor_Scalar)
+                and mean.args[0].args == (h, 2) and (mean.args[2:] or mean.kwargs.get("keepdim"))):
             continue
         hv = h.meta["val"]
-        if hv.shape[-1] != k or hv.numel() != m * k or any(len(n.users) != 1 for n in (r, r.args[0], mean, mean.args[0])):
+        norm_nodes = [r, r.args[0], mean, mean.args[0]]
+        if (list(mean.args[1]) not in ([-1], [hv.dim() - 1]) or hv.shape[-1] != k or hv.numel() != m * k
+                or any(len(n.users) != 1 for n in norm_nodes)):
             return None
-        return _FoldedNorm(h, eps, weight, weight_first, h_first, cast, chain + [r, r.args[0], mean, mean.args[0]],
-                           m, k)
+        return _FoldedNorm(h, eps, weight, weight_first, h_first, cast, chain + norm_nodes, m, k)
     return None
 
 
