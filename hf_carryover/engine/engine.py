@@ -136,7 +136,8 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         kernels writing halves); naming "post_grad_custom_pre_pass" in the options replaces it (None: off). On CPU
         inductor packs the weights for oneDNN instead, and merges them itself with "cpp.enable_concat_linear". With
         freezing the compiled rounds keep the weights they were compiled with (the merged ones as copies): build a new
-        engine after changing them. Their tokens are compared with eager decoding as for any compiled round (tested on CPU).
+        engine after changing them. Their tokens are compared with eager decoding as for any compiled round (tested on
+        CPU).
 
         lookup_skips_drafter=True (with context lookup): a round in which every unfinished row looks up runs without
         the drafter (its drafted block would be discarded anyway; output and rounds are the same either way, tested).
