@@ -683,3 +683,39 @@ def test_gemv_rows_generates_one_row_gemms_as_reductions():
     with pytest.raises(ValueError, match="gemv_fusion=1: True or False"):
         SpeculativeEngine(target, None, max_len=96, compile=True, gemv_rows=1, gemv_fusion=1,
                           compile_options={"freezing": True})
+
+
+def test_rotate_half_rewrite_gives_the_same_bits():
+    """The frozen pass's RoPE rewrite (`rotate_half.py`) writes transformers' `rotate_half` cat as indexing: compiled
+    with it, RoPE gives the bits it gives compiled without it, in float32 (there also eager's) and bfloat16 (inductor
+    rounds bf16 products only where a kernel stores, so eager differs either way), and the cat is gone."""
+    import torch._inductor.config as inductor_config
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from hf_carryover.engine.rotate_half import rotate_half_without_cat
+
+    seen = []
+
+    def rewrite(graph):
+        seen.append(rotate_half_without_cat(graph))
+        seen.append(sum(n.target is torch.ops.aten.cat.default for n in graph.nodes))
+
+    def count_cats(graph):
+        seen.append(sum(n.target is torch.ops.aten.cat.default for n in graph.nodes))
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k = (torch.randn(2, 3, 5, 64, generator=g).to(dtype) for _ in range(2))
+        cos, sin = (torch.randn(2, 5, 64, generator=g).to(dtype) for _ in range(2))
+        outs = []
+        for graph_pass in (count_cats, rewrite):
+            torch._dynamo.reset()
+            seen.clear()
+            with inductor_config.patch({"post_grad_custom_pre_pass": graph_pass, "fx_graph_cache": False}):
+                outs.append(torch.compile(apply_rotary_pos_emb, fullgraph=True)(q, k, cos, sin))
+            assert seen == ([2] if graph_pass is count_cats else [2, 0])  # q's and k's rotations; none left after
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
+        if dtype == torch.float32:
+            for a, b in zip(outs[1], apply_rotary_pos_emb(q, k, cos, sin)):
+                assert torch.equal(a, b)

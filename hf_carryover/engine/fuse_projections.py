@@ -269,12 +269,13 @@ def _rms_norm(x):
             continue
         mean, eps = r.args[0].args  # r = rsqrt(mean + eps)
         if not (op(mean, aten.mean.dim) and isinstance(eps, float) and op(mean.args[0], aten.pow.Tensor_Scalar)
-                and mean.args[0].args == (h, 2) and (mean.args[2:] or mean.kwargs.get("keepdim"))):
+                and mean.args[0].args == (h, 2)):
             continue
+        keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
         hv = h.meta["val"]
         norm_nodes = [r, r.args[0], mean, mean.args[0]]
-        if (list(mean.args[1]) not in ([-1], [hv.dim() - 1]) or hv.shape[-1] != k or hv.numel() != m * k
-                or any(len(n.users) != 1 for n in norm_nodes)):
+        if (keepdim is not True or list(mean.args[1]) not in ([-1], [hv.dim() - 1]) or hv.shape[-1] != k
+                or hv.numel() != m * k or any(len(n.users) != 1 for n in norm_nodes)):
             return None
         return _FoldedNorm(h, eps, weight, weight_first, h_first, cast, chain + norm_nodes, m, k)
     return None

@@ -19,20 +19,27 @@ _END = (2**63 - 1, 2**31 - 1)  # what `x[..., h:]` leaves as a slice's end
 
 
 def _slice_of(node, dim, start, end):
-    """x when `node` is `slice(x, dim, start, end)` (end also open-ended), else None."""
+    """x when `node` is `slice(x, dim, start, end)` of a tensor x whose size along `dim` is known (an open end also
+    matches when `end` is that size), else None."""
     if not (isinstance(node, torch.fx.Node) and node.op == "call_function"
             and node.target is torch.ops.aten.slice.Tensor and len(node.args) >= 3 and not node.kwargs):
         return None
     x = node.args[0]
+    if not isinstance(x, torch.fx.Node) or "val" not in x.meta:
+        return None
     d, s = node.args[1], node.args[2]
     e = node.args[3] if len(node.args) > 3 else _END[0]
-    size = x.meta["val"].shape[-1] if "val" in x.meta else None
+    if not all(type(v) is int for v in (d, s, e)):
+        return None
+    size = x.meta["val"].shape[dim] if x.meta["val"].dim() > dim else None
     if d % x.meta["val"].dim() != dim or s != start or not (e == end or (end == size and e in (*_END, size))):
         return None
     return x
 
 
 def rotate_half_without_cat(graph) -> int:
+    """Rewrite every `cat((-x[..., h:], x[..., :h]), -1)` of `graph` (a post-grad FX graph) as indexing; returns how
+    many."""
     aten, count = torch.ops.aten, 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not aten.cat.default or "val" not in node.meta:
@@ -40,7 +47,8 @@ def rotate_half_without_cat(graph) -> int:
         parts = node.args[0]
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
         out = node.meta["val"]
-        if len(parts) != 2 or dim % out.dim() != out.dim() - 1 or not isinstance(out.shape[-1], int):
+        if (len(parts) != 2 or type(dim) is not int or dim % out.dim() != out.dim() - 1
+                or type(out.shape[-1]) is not int):
             continue
         width = out.shape[-1]
         half = width // 2
