@@ -303,7 +303,8 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
         if not engine.fused_projections.graphs:
             res["fused_gemms"] = None
         res.update(engine.fused_projections.gemv_record())  # GEMMs generated as reductions (gemv_rows), if any
-        res["rope_rotations"] = engine.fused_projections.rotations  # rotate_half cats written as indexing
+        res["rope_rotations"] = engine.fused_projections.rotations if engine.fused_projections.graphs else None
+        # (rotate_half cats written as indexing; None as for fused_gemms)
     if engine.profile and engine.timing["rounds"]:
         n = engine.timing["rounds"]
         res["per_round_s"] = {p: engine.timing[p] / n for p in ("draft", "verify", "other")}

@@ -147,7 +147,8 @@ def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, loo
         res["fused_gemms"] = eng.fused_projections.fused if eng.fused_projections.graphs else None  # None: the
         # pass saw no graph (all taken from inductor's caches)
         res.update(eng.fused_projections.gemv_record())  # GEMMs it generated as reductions (gemv_rows), if any
-        res["rope_rotations"] = eng.fused_projections.rotations  # rotate_half cats written as indexing
+        res["rope_rotations"] = eng.fused_projections.rotations if eng.fused_projections.graphs else None
+        # (rotate_half cats written as indexing; None as for fused_gemms)
     for batch in batches[1:]:  # the other prompts' width buckets (a captured row prefill each) outside the timing
         eng.generate(batch, **kw)
     wall, acc, tokens, batch_rounds = 0.0, [], 0, 0

@@ -219,7 +219,8 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         the reduction (its mean recomputed for every output column), and a merged gate/up GEMM becomes two reductions of
         one width, so inductor generates norm + projection (+ SiLU * up) as one kernel where it launched two or three:
         counted on this CPU (`examples/kernel_census.py --gemv_rows 1`, a proxy) a batch-1 plain step of the 135M
-        target went from 438 to 347 generated launches. False: the plain rewrite, for comparison."""
+        target went from 318 to 227 generated launches (examples/results/cpu-2026-12-05c; not yet timed on a GPU).
+        False: the plain rewrite, for comparison."""
         if not any(rope_table is v for v in (True, False)) and rope_table != "auto":
             raise ValueError(f"rope_table={rope_table!r}: 'auto', True or False.")
         if not isinstance(dynamic_prefill, bool):

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from . import rotate_half
+from . import fx_nodes, rotate_half
+from .fx_nodes import node_maker
 from .rotate_half import rotate_half_without_cat
 
 try:  # a CustomGraphPass with a uuid keeps inductor's FX graph cache usable
@@ -62,13 +63,14 @@ class FuseSharedInputMatmuls(CustomGraphPass):
         """What a benchmark or profile row records of `gemv_rows` (empty when off): the options, what they rewrote."""
         if not self.gemv_rows:
             return {}
-        return {"gemv_rows": self.gemv_rows, "gemvs": self.gemvs, "gemv_fusion": self.gemv_fusion,
-                "gemv_norms": self.gemv_norms}
+        seen = bool(self.graphs)  # counts read None where every graph came from inductor's caches (see the class)
+        return {"gemv_rows": self.gemv_rows, "gemvs": self.gemvs if seen else None, "gemv_fusion": self.gemv_fusion,
+                "gemv_norms": self.gemv_norms if seen else None}
 
     def uuid(self):  # the FX graph cache's key: this file's code and the options that change what it does
         if get_hash_for_files is None:
             return None
-        code = get_hash_for_files((__file__, rotate_half.__file__))
+        code = get_hash_for_files((__file__, rotate_half.__file__, fx_nodes.__file__))
         return (code.hex() if isinstance(code, bytes) else str(code), self.gemv_rows, self.gemv_fusion)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
@@ -148,7 +150,7 @@ def _as_reductions(graph, rows: int, fold: bool = False) -> tuple[int, int]:
             continue
         if not all(type(d) is int for d in (*xv.shape, *wv.shape)):
             continue
-        call = _caller(graph, xv.fake_mode)
+        call = node_maker(graph, xv.fake_mode)
         dtype = node.meta["val"].dtype
         acc = torch.float64 if dtype == torch.float64 else torch.float32  # what a GEMM accumulates in
         norm = _rms_norm(x) if fold else None
@@ -174,16 +176,6 @@ def _as_reductions(graph, rows: int, fold: bool = False) -> tuple[int, int]:
             folded += 1
             norm.erase_dead()
     return count, folded
-
-
-def _caller(graph, fake_mode):
-    def call(op, *args):
-        """A new `op(*args)` node with its fake value (inductor's lowering reads `meta['val']`)."""
-        out = graph.call_function(op, args)
-        with fake_mode:
-            out.meta["val"] = op(*[a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args])
-        return out
-    return call
 
 
 def _equal_slices(node):

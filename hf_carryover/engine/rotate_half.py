@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from .fx_nodes import node_maker
+
 _END = (2**63 - 1, 2**31 - 1)  # what `x[..., h:]` leaves as a slice's end
 
 
@@ -59,14 +61,7 @@ def rotate_half_without_cat(graph) -> int:
         x = _slice_of(neg.args[0], last, half, width)
         if x is None or _slice_of(second, last, 0, half) is not x or tuple(x.meta["val"].shape) != tuple(out.shape):
             continue
-        fake_mode = out.fake_mode
-
-        def call(op, *args, **kwargs):
-            new = graph.call_function(op, args, kwargs)
-            with fake_mode:
-                new.meta["val"] = op(*torch.fx.node.map_arg(args, lambda a: a.meta["val"]), **kwargs)
-            return new
-
+        call = node_maker(graph, out.fake_mode)
         with graph.inserting_before(node):
             index = call(torch.ops.prims.iota.default, width, start=0, step=1, dtype=torch.int64, device=out.device,
                          requires_grad=False)  # [2h]
