@@ -296,15 +296,9 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
     res["rope_tabled"] = list(engine.rope_tabled)  # the models whose RoPE the row read from tables
     if engine.rope_untabled:  # those "auto" left to compute it, and why
         res["rope_untabled"] = dict(engine.rope_untabled)
-    if engine.fused_projections is not None:  # GEMMs the frozen-weight pass merged in this row's engine so far
-        res["fused_gemms"] = engine.fused_projections.fused  # (hf_carryover/engine/fuse_projections.py; until
-        # 12-02f the sum over all engines of the call); None where the pass saw no graph (all taken from inductor's
-        # caches), where 0 would not mean "nothing merged" (until 2026-12-05 it read 0 then)
-        if not engine.fused_projections.graphs:
-            res["fused_gemms"] = None
-        res.update(engine.fused_projections.gemv_record())  # GEMMs generated as reductions (gemv_rows), if any
-        res["rope_rotations"] = engine.fused_projections.rotations if engine.fused_projections.graphs else None
-        # (rotate_half cats written as indexing; None as for fused_gemms)
+    if engine.fused_projections is not None:  # what the frozen-weight pass did in this row's engine so far
+        res.update(engine.fused_projections.record())  # (fuse_projections.py; until 12-02f fused_gemms summed all
+        # engines of the call, until 2026-12-05 it read 0 where every graph came from inductor's caches)
     if engine.profile and engine.timing["rounds"]:
         n = engine.timing["rounds"]
         res["per_round_s"] = {p: engine.timing[p] / n for p in ("draft", "verify", "other")}

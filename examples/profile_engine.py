@@ -143,12 +143,8 @@ def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, loo
     eng.generate(batches[0], **kw)  # compile + capture
     torch.cuda.synchronize()
     res = {"mode": name, "batch": b, "compile_and_capture_s": time.perf_counter() - t0}
-    if eng.fused_projections is not None:  # GEMMs the engine's pass merged in this mode's compiled graphs
-        res["fused_gemms"] = eng.fused_projections.fused if eng.fused_projections.graphs else None  # None: the
-        # pass saw no graph (all taken from inductor's caches)
-        res.update(eng.fused_projections.gemv_record())  # GEMMs it generated as reductions (gemv_rows), if any
-        res["rope_rotations"] = eng.fused_projections.rotations if eng.fused_projections.graphs else None
-        # (rotate_half cats written as indexing; None as for fused_gemms)
+    if eng.fused_projections is not None:  # what the engine's pass did in this mode's compiled graphs
+        res.update(eng.fused_projections.record())
     for batch in batches[1:]:  # the other prompts' width buckets (a captured row prefill each) outside the timing
         eng.generate(batch, **kw)
     wall, acc, tokens, batch_rounds = 0.0, [], 0, 0

@@ -670,7 +670,7 @@ def test_gemv_rows_generates_one_row_gemms_as_reductions():
             # every graph's RoPE rotate_half (q and k, each layer) is indexing, not a cat (`rotate_half.py`)
             assert fast.fused_projections.rotations == 2 * layers * fast.fused_projections.graphs > 0
             if gemv_rows:
-                record = fast.fused_projections.gemv_record()
+                record = fast.fused_projections.record()
                 assert record["gemvs"] == rewritten and record["gemv_fusion"] is fusion
                 assert record["gemv_norms"] == (2 * layers + 1 if fusion and rewritten else 0)
         assert mms[0] - mms[1] == rewritten and mms[1] == mms[2]  # the prefill (many rows) keeps its GEMMs

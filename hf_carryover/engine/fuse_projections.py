@@ -59,13 +59,16 @@ class FuseSharedInputMatmuls(CustomGraphPass):
         self.gemv_norms = 0  # of them, those with their RMSNorm folded in (gemv_fusion)
         self.rotations = 0  # RoPE rotate_half concatenations written as indexing (`rotate_half.py`)
 
-    def gemv_record(self) -> dict:
-        """What a benchmark or profile row records of `gemv_rows` (empty when off): the options, what they rewrote."""
-        if not self.gemv_rows:
-            return {}
-        seen = bool(self.graphs)  # counts read None where every graph came from inductor's caches (see the class)
-        return {"gemv_rows": self.gemv_rows, "gemvs": self.gemvs if seen else None, "gemv_fusion": self.gemv_fusion,
-                "gemv_norms": self.gemv_norms if seen else None}
+    def record(self) -> dict:
+        """What a benchmark or profile row records of the pass: GEMMs merged (`fused_gemms`), rotate_half cats written
+        as indexing (`rope_rotations`) and, with `gemv_rows`, the options and the GEMMs rewritten. Counts read None
+        where the pass saw no graph (every one came from inductor's caches: see the class), where 0 would mislead."""
+        seen = bool(self.graphs)
+        res = {"fused_gemms": self.fused if seen else None, "rope_rotations": self.rotations if seen else None}
+        if self.gemv_rows:
+            res.update(gemv_rows=self.gemv_rows, gemvs=self.gemvs if seen else None, gemv_fusion=self.gemv_fusion,
+                       gemv_norms=self.gemv_norms if seen else None)
+        return res
 
     def uuid(self):  # the FX graph cache's key: this file's code and the options that change what it does
         if get_hash_for_files is None:
