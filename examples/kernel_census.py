@@ -66,7 +66,7 @@ def _codegen_only() -> None:
 
 
 def census(mode: str, batch: int, inductor: dict, gemv_rows: int = 0, max_len: int = 640,
-           gemv_fusion: bool = True) -> dict:
+           gemv_fusion: bool | str = False) -> dict:
     """One round of `mode` at batch `batch`, compiled: its graphs, launches by kind, and whole-cache buffers."""
     from gpu_check import smollm2_shaped
 
@@ -137,8 +137,9 @@ def main(argv=None):
                    help="inductor options of the compiled round, as the benchmark's --inductor (default freezing=True)")
     p.add_argument("--gemv_rows", type=int, default=0, help="the engine's gemv_rows (GEMMs of at most N rows as "
                    "generated reductions)")
-    p.add_argument("--no_gemv_fusion", action="store_true", help="the engine's gemv_fusion=False (the plain "
-                   "rewrite: RMSNorms and gate/up left as they were)")
+    p.add_argument("--gemv_fusion", nargs="?", const=True, default=False, choices=[True, "norms"],
+                   help="the engine's gemv_fusion=True (RMSNorms and SiLU * up inside the reductions; until "
+                   "2026-12-05c the default, which --no_gemv_fusion turned off), or --gemv_fusion norms (the norms only)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from benchmark import parse_inductor_options
@@ -149,13 +150,13 @@ def main(argv=None):
     rows = []
     for mode in args.modes:
         for b in args.batch_sizes:
-            rows.append(census(mode, b, inductor, args.gemv_rows, gemv_fusion=not args.no_gemv_fusion))
+            rows.append(census(mode, b, inductor, args.gemv_rows, gemv_fusion=args.gemv_fusion))
             r = rows[-1]
             print(f"{mode} b{b}: {r['graphs']} graph(s), {r['launches']} launches {r['by_kind']}, "
                   f"{r['whole_cache_buffers']} whole-cache buffers", flush=True)
     res = {"command": "python " + " ".join([Path(__file__).relative_to(ROOT).as_posix(), *sys.argv[1:]]),
            "inductor": inductor, "gemv_rows": args.gemv_rows,
-           "gemv_fusion": not args.no_gemv_fusion, "env": environment(), "rows": rows}
+           "gemv_fusion": args.gemv_fusion, "env": environment(), "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     return res

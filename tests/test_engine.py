@@ -647,8 +647,8 @@ def test_compiled_round_equals_eager(typ, backend, monkeypatch):
 def test_gemv_rows_generates_one_row_gemms_as_reductions():
     """gemv_rows=1: a batch-1 plain step's frozen GEMMs (per layer q/k/v, o, gate/up, down; and the LM head) become
     inductor reductions instead of `extern_kernels.mm` calls, with the eager engine's tokens (float64: weights left
-    unpacked, as on CUDA, and the products summed in float64). With gemv_fusion (the default) the RMSNorm before q/k/v,
-    before gate/up and before the LM head is computed inside its reduction (2 a layer + 1); without it
+    unpacked, as on CUDA, and the products summed in float64). With gemv_fusion=True (and "norms") the RMSNorm
+    before q/k/v, before gate/up and before the LM head is computed inside its reduction (2 a layer + 1); without it
     they stay outside. Two rows keep their GEMMs (M=2 > 1). Without freezing, or
     as anything but a whole number of rows, the option is refused by name. Every compiled engine here also runs the
     frozen pass's RoPE rewrite (`rotate_half.py`: q and k of each layer), so the tokens check it too."""
@@ -661,7 +661,7 @@ def test_gemv_rows_generates_one_row_gemms_as_reductions():
     for rows, rewritten in ((prompts[:1], 4 * layers + 1), (prompts, 0)):
         ref = SpeculativeEngine(target, None, max_len=96).generate(rows, max_new_tokens=16)
         mms = []
-        for gemv_rows, fusion in ((0, True), (1, False), (1, True)):
+        for gemv_rows, fusion in ((0, True), (1, False), (1, True), (1, "norms")):
             fast = SpeculativeEngine(target, None, max_len=96, compile=True, gemv_rows=gemv_rows, gemv_fusion=fusion,
                                      compile_options={"freezing": True, "fx_graph_cache": False})
             out, codes = run_and_get_code(lambda: fast.generate(rows, max_new_tokens=16))
@@ -671,16 +671,16 @@ def test_gemv_rows_generates_one_row_gemms_as_reductions():
             assert fast.fused_projections.rotations == 2 * layers * fast.fused_projections.graphs > 0
             if gemv_rows:
                 record = fast.fused_projections.record()
-                assert record["gemvs"] == rewritten and record["gemv_fusion"] is fusion
+                assert record["gemvs"] == rewritten and record["gemv_fusion"] == fusion
                 assert record["gemv_norms"] == (2 * layers + 1 if fusion and rewritten else 0)
-        assert mms[0] - mms[1] == rewritten and mms[1] == mms[2]  # the prefill (many rows) keeps its GEMMs
+        assert mms[0] - mms[1] == rewritten and mms[1] == mms[2] == mms[3]  # the prefill (many rows) keeps its GEMMs
     with pytest.raises(ValueError, match="gemv_rows=1 .*'freezing'"):
         SpeculativeEngine(target, None, max_len=96, compile=True, gemv_rows=1)
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="gemv_rows=.*: a number of rows"):
             SpeculativeEngine(target, None, max_len=96, compile=True, gemv_rows=bad,
                               compile_options={"freezing": True})
-    with pytest.raises(ValueError, match="gemv_fusion=1: True or False"):
+    with pytest.raises(ValueError, match="gemv_fusion=1: True, False or 'norms'"):
         SpeculativeEngine(target, None, max_len=96, compile=True, gemv_rows=1, gemv_fusion=1,
                           compile_options={"freezing": True})
 

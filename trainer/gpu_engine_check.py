@@ -29,9 +29,13 @@ rounds: a refill should add none). Each continuous call runs again with `prefill
 forward on a side stream beside the rounds): `<engine>_ahead_continuous_exact`, `graph_ahead_continuous_syncs`.
 With --deterministic, PyTorch's deterministic algorithms (warn only) and a fixed cuBLAS workspace; bf16 rows record
 `graph_repeat_same_tokens` (a second identical call on the graph engine) either way.
-Every row records `mode` (`engine.last_mode`: "cuda_graph", or why it ran eagerly). Rows are written to --out as
-soon as they are known; a failing row records its error instead of stopping the script. On CPU the graph
-engine runs eagerly ("eager (no CUDA)"), so only the plumbing is checked there.
+With --compile_only (fp32, --compile) only the compiled engine is compared with the eager one (greedy; continuous and
+plain greedy where asked): 2026-12-05b's and 05d's checks of compiled options ran out of their time boxes before the
+first row was written, most of it spent on the graph engine and the sampled extras.
+Every row records `mode` (`engine.last_mode`: "cuda_graph", or why it ran eagerly). A row is written to --out after
+each stage it finishes (`done`: the last one), with a progress line and the seconds since the start, so a time box
+that stops the check keeps what it finished; a failing row records its error instead of stopping the script. On CPU
+the graph engine runs eagerly ("eager (no CUDA)"), so only the plumbing is checked there.
 """
 
 import argparse
@@ -180,6 +184,10 @@ def main():
                    "installed)")
     p.add_argument("--engine_options", nargs="+", default=[], metavar="KEY=VALUE", help="SpeculativeEngine arguments "
                    "for every engine (e.g. rope_table=True drafter_attention=sdpa), recorded as engine_options")
+    p.add_argument("--compile_only", action="store_true", help="with --compile, fp32: compare only the compiled "
+                   "engine with the eager one (greedy tokens and rounds, continuous batching with --continuous, plain "
+                   "greedy with --target); no graph engine, no sampled or lookup extras. The quickest check of a "
+                   "compiled engine's options where a time box is short")
     p.add_argument("--compile_engine_options", nargs="+", default=[], metavar="KEY=VALUE", help="SpeculativeEngine "
                    "arguments for the compiled engine only (e.g. gemv_rows=64: its GEMMs as generated reductions, "
                    "which only a compiled engine can take), recorded as compile_engine_options")
@@ -207,6 +215,8 @@ def main():
     if "attention" in engine_options:
         p.error("--engine_options attention=...: use --attention")
     compile_engine_options = parse_engine_options(args.compile_engine_options)
+    if args.compile_only and (not args.compile or args.dtypes != ["fp32"]):
+        p.error("--compile_only checks the compiled engine's exactness: it needs --compile and --dtypes fp32")
     if compile_engine_options and not args.compile:
         p.error("--compile_engine_options are the compiled engine's: they need --compile")
     if compile_options and (not args.compile or args.compile_backend != "inductor"):
@@ -228,14 +238,25 @@ def main():
            "drafter": args.drafter or "random dflash (Carryover on)",
            "prompts": f"{args.prompts_dir}/{args.dataset}" if real else "random tokens", "lookup": args.lookup,
            "tree": args.tree, "tree_nodes": args.tree_nodes, "attention": args.attention,
-           "deterministic": args.deterministic, "continuous": args.continuous,
+           "deterministic": args.deterministic, "continuous": args.continuous, "compile_only": args.compile_only,
            "rows": []}
     lk0 = {"prompt_lookup_num_tokens": args.lookup} if args.lookup else {}  # every engine call
     tree = TreeSpec.load(args.tree) if args.tree else None  # every dflash call (`lk` below)
 
-    def record(row):
-        res["rows"].append(row)
+    started = time.perf_counter()
+
+    def save(row, stage):
+        """Write the row as far as it got (`row["done"]`: its last finished stage), so that a time box that stops the
+        check mid-row (a cold compile can take minutes) still leaves every comparison it finished, and say so."""
+        row["done"] = stage
+        if not res["rows"] or res["rows"][-1] is not row:
+            res["rows"].append(row)
         Path(args.out).write_text(json.dumps(res, indent=2))
+        print(f"[{time.perf_counter() - started:.0f} s] {row.get('dtype')} {row.get('method', '')} "
+              f"batch {row.get('batch', '-')}: {stage}", flush=True)
+
+    def record(row):
+        save(row, "all")
         print(json.dumps(row), flush=True)
 
     SpeculativeEngine = functools.partial(Engine, attention=args.attention, **engine_options)
@@ -244,9 +265,11 @@ def main():
         drafter = check_drafter(target, args.drafter, args.device) if kind == "dflash" else None
         longest = max(len(x) for x in real) if real else (240 if args.lookup else 80)
         max_len = longest + max_new + 2 * 16 + (tree.num_nodes if tree is not None else 0)  # a round's tree rows
-        out = {"eager": SpeculativeEngine(target, drafter, max_len=max_len, lookup_skips_drafter=False),
-               "graph": SpeculativeEngine(target, drafter, max_len=max_len, cuda_graphs=True)}
-        if args.lookup:  # the eager engine skipping the drafter where every row looks up, against drafting always
+        out = {"eager": SpeculativeEngine(target, drafter, max_len=max_len, lookup_skips_drafter=False)}
+        if not args.compile_only:
+            out["graph"] = SpeculativeEngine(target, drafter, max_len=max_len, cuda_graphs=True)
+        if args.lookup and not args.compile_only:  # the eager engine skipping the drafter where every row looks
+            # up, against drafting always
             out["eager_skip"] = SpeculativeEngine(target, drafter, max_len=max_len)
         if args.compile:
             out["graph_compile"] = SpeculativeEngine(target, drafter, max_len=max_len, cuda_graphs=True,
@@ -272,7 +295,7 @@ def main():
                 row = {"dtype": dtype_name, "method": kind, "batch": b}
                 try:
                     built = engines(target, kind)
-                    eager, graph = built["eager"], built["graph"]
+                    eager, graph = built["eager"], built.get("graph")
                     row.update(rope_tabled=eager.rope_tabled, rope_untabled=eager.rope_untabled)
                     sets = ([real[:b], real[b:2 * b]] if real else
                             prompt_sets(b, target.config.vocab_size, seed=b, loop=bool(args.lookup)))
@@ -281,6 +304,7 @@ def main():
                         for prompts in sets:
                             refs.append((eager.generate(prompts, max_new_tokens=max_new, eos_token_id=eos, **lk),
                                          eager.rounds))
+                        save(row, "eager reference")
                         for name, engine in built.items():
                             if name == "eager":
                                 continue
@@ -298,6 +322,7 @@ def main():
                                 # compile, or per width after a failed one (`refill.py`)
                                 row[f"{tag}dynamic_prefill"] = all(pf.dynamic_width
                                                                    for pf in engine._prefills.values())
+                            save(row, f"{name} against eager")
                         if args.continuous:  # both sets through b rows: refills, captured on the graph engines
                             want = refs[0][0] + refs[1][0]
                             want_rounds = refs[0][1] + refs[1][1]
@@ -321,6 +346,7 @@ def main():
                                         **lk))
                                     row[f"{tag}_continuous_refills"] = max(len(sets[0] + sets[1]) - b, 0)
                                     row[f"{tag}_continuous_launched"] = engine.last_launched
+                                save(row, f"{tag} continuous")
                             for name, engine in built.items():
                                 engine.prefill_ahead = as_built[name]  # (for the rest of the row)
                         row["tau"] = eager.tau if kind == "dflash" else None
@@ -330,6 +356,10 @@ def main():
                                      for prompts in sets for x in prompts]
                             row["plain_greedy_exact"] = plain == refs[0][0] + refs[1][0]
                             row["plain_greedy_first_diff_at"] = first_diff(plain, refs[0][0] + refs[1][0])
+                            save(row, "plain greedy")
+                        if args.compile_only:
+                            record(row)
+                            continue
                         # sampled rounds (T=1): the graph replays the eager round's kernels on the same uniforms, so
                         # the same seed must give the same tokens (part of all_exact)
                         kw = dict(max_new_tokens=max_new, eos_token_id=eos, do_sample=True, temperature=1.0, seed=7,
@@ -405,7 +435,8 @@ def main():
                                           and r.get("plain_greedy_exact", True)
                                           and all(v for x, v in r.items() if x.endswith("_continuous_exact"))
                                           and r.get("graph_sampled_same_tokens", True) for r in rows)
-    res["graphs_used"] = bool(rows) and all(r.get("mode", r.get("graph_mode")) == "cuda_graph" for r in rows)
+    res["graphs_used"] = bool(rows) and all(str(r.get("mode", r.get("graph_mode", r.get("compile_mode"))))
+                                            .startswith("cuda_graph") for r in rows)
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(f"all_exact={res['all_exact']} graphs_used={res['graphs_used']}", flush=True)
 

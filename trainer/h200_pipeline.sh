@@ -627,7 +627,8 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
   # compiled engine's inductor options,
   # CHECK_TREE=N with CHECK_DRAFTER: its draft_tree.json, N nodes a round, CHECK_ATTENTION=triton: every engine on the
   # Triton attention kernel; CHECK_ENGINE="rope_table=True": SpeculativeEngine arguments of every engine;
-  # CHECK_COMPILE_ENGINE="gemv_rows=64": those of the compiled engine only): a random
+  # CHECK_COMPILE_ENGINE="gemv_rows=64": those of the compiled engine only; CHECK_COMPILE_ONLY=1: only the compiled
+  # engine against the eager one, no graph engine or sampled extras, for short time boxes): a random
   # drafter, or with CHECK_DRAFTER=NAME a trained one on the real target, also against plain greedy decoding. The job
   # "gencheck" checks generate()'s static rounds (trainer/gpu_generate_check.py, GENCHECK_* below). The job
   # "replaydiff" compares eager and replayed rounds round by round (trainer/gpu_replay_diff.py, REPLAY_* below).
@@ -643,7 +644,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
         T="--target reference --drafter $f --prompts_dir $A/prompts"; fi
       CUDA_VISIBLE_DEVICES=$(gpu $1) timeout $(call_box ${CHECK_SECONDS:-200}) $(pin $1) python3 trainer/gpu_engine_check.py $([ "${CHECK_COMPILE:-1}" = 0 ] || echo --compile) --dtypes fp32 \
         --kinds ${CHECK_KINDS:-dflash} --batch_sizes ${CHECK_BATCHES:-1} $T ${CHECK_LOOKUP:+--lookup $CHECK_LOOKUP} \
-        ${CHECK_DETERMINISTIC:+--deterministic} ${CHECK_CONTINUOUS:+--continuous} \
+        ${CHECK_DETERMINISTIC:+--deterministic} ${CHECK_CONTINUOUS:+--continuous} ${CHECK_COMPILE_ONLY:+--compile_only} \
         ${CHECK_INDUCTOR:+--inductor $CHECK_INDUCTOR} ${CHECK_TREE:+--tree ${f:?CHECK_TREE needs CHECK_DRAFTER}/draft_tree.json \
         --tree_nodes $CHECK_TREE} ${CHECK_ATTENTION:+--attention $CHECK_ATTENTION} ${CHECK_ENGINE:+--engine_options $CHECK_ENGINE} \
         ${CHECK_COMPILE_ENGINE:+--compile_engine_options $CHECK_COMPILE_ENGINE} \

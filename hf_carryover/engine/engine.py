@@ -104,7 +104,7 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
                  attention_block_m: int = 16,
                  run_ahead: bool = True, tree_topk: str = "torch", drafter_attention: str = "auto",
                  rope_table: bool | str = "auto", dynamic_prefill: bool = True, prefill_ahead: bool = True,
-                 gemv_rows: int = 0, gemv_fusion: bool = True):
+                 gemv_rows: int = 0, gemv_fusion: bool | str = False):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -215,12 +215,16 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         SmolLM2-135M 8.8 % cheaper (1.040 -> 0.948 ms, bf16, 20 MT-Bench prompts, examples/results/h200-2026-12-05b);
         it stays off until the fp32 check of compiled rounds has run with it on the GPU.
 
-        gemv_fusion=True (default; with gemv_rows): an RMSNorm that makes a rewritten GEMM's input is computed inside
-        the reduction (its mean recomputed for every output column), and a merged gate/up GEMM becomes two reductions of
-        one width, so inductor generates norm + projection (+ SiLU * up) as one kernel where it launched two or three:
-        counted on this CPU (`examples/kernel_census.py --gemv_rows 1`, a proxy) a batch-1 plain step of the 135M
-        target went from 318 to 227 generated launches (examples/results/cpu-2026-12-05c; not yet timed on a GPU).
-        False: the plain rewrite, for comparison."""
+        gemv_fusion=True (with gemv_rows; default False): an RMSNorm that makes a rewritten GEMM's input is computed
+        inside the reduction (its mean recomputed for every output column), and a merged gate/up GEMM becomes two
+        reductions of one width, so inductor generates norm + projection (+ SiLU * up) as one kernel where it launched
+        two or three: on this CPU a batch-1 plain step of the 135M target went from 318 to 227 generated launches
+        (`examples/kernel_census.py --gemv_rows 1 --gemv_fusion`, a proxy; examples/results/cpu-2026-12-05c). Timed on
+        an H100 it lost: a plain step took 1.034 ms with it against 0.960 without (gemv_rows=1, bf16, 20 HumanEval
+        prompts, one call; examples/results/h100-2026-12-05d), so it is off. It stays for further study.
+        gemv_fusion="norms": the norms only, gate/up left one reduction (SiLU * up its own kernel). Why: on the CPU
+        proxy the folded q/k/v reduction stayed persistent (its input loaded once) while the split gate/up became a
+        looped one, which may be what lost on the H100; not yet timed."""
         if not any(rope_table is v for v in (True, False)) and rope_table != "auto":
             raise ValueError(f"rope_table={rope_table!r}: 'auto', True or False.")
         if not isinstance(dynamic_prefill, bool):
@@ -278,8 +282,8 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         self.compile_options = dict(compile_options or {})
         if not isinstance(gemv_rows, int) or isinstance(gemv_rows, bool) or gemv_rows < 0:
             raise ValueError(f"gemv_rows={gemv_rows!r}: a number of rows, 0 (off) or more.")
-        if not isinstance(gemv_fusion, bool):
-            raise ValueError(f"gemv_fusion={gemv_fusion!r}: True or False.")
+        if not (isinstance(gemv_fusion, bool) or gemv_fusion == "norms"):
+            raise ValueError(f"gemv_fusion={gemv_fusion!r}: True, False or 'norms'.")
         if gemv_rows and not (compile and self.compile_options.get("freezing")
                               and "post_grad_custom_pre_pass" not in self.compile_options):
             raise ValueError(f"gemv_rows={gemv_rows} rewrites the frozen weights' GEMMs in the engine's own inductor "

@@ -20,9 +20,10 @@ Why: at one row a GEMM is a matrix-vector product that reads 0.1-1 MB and costs 
 cost (12-03c: 122 of them were 0.485 ms of a 1.0 ms plain step). As a reduction, inductor generates the product
 itself and can fuse what surrounds it into the same kernel (a normalisation's scale before it). On the H200 a
 batch-1 plain step of the 135M target took 0.948 ms against 1.040 (examples/results/h200-2026-12-05b). The rewrite
-keeps a GEMM's arithmetic (fp32 products and sums, one rounding at the end), in another order. `gemv_fusion` (on by
+keeps a GEMM's arithmetic (fp32 products and sums, one rounding at the end), in another order. `gemv_fusion` (off by
 default) also folds the RMSNorm before such a GEMM into it, and splits a merged gate/up (`_FoldedNorm`,
-`_equal_slices`).
+`_equal_slices`): fewer kernels, but on an H100 a slower step (0.960 -> 1.034 ms, examples/results/h100-2026-12-05d).
+`gemv_fusion="norms"` folds the norms only.
 
 The pass also writes RoPE's `rotate_half` concatenations as indexing (`rotate_half.py`), in every frozen graph.
 """
@@ -50,11 +51,11 @@ class FuseSharedInputMatmuls(CustomGraphPass):
     the graphs it has seen. A graph inductor does not compile again (taken from one of its caches) does not pass
     through it, so both can read 0 while the loaded code is merged all the same (the H200 rows of 2026-12-05 read 0)."""
 
-    def __init__(self, gemv_rows: int = 0, gemv_fusion: bool = True):
+    def __init__(self, gemv_rows: int = 0, gemv_fusion: bool | str = False):
         self.fused = 0
         self.graphs = 0
         self.gemv_rows = int(gemv_rows)
-        self.gemv_fusion = bool(gemv_fusion)
+        self.gemv_fusion = gemv_fusion if gemv_fusion == "norms" else bool(gemv_fusion)
         self.gemvs = 0  # mm nodes rewritten as reductions (gemv_rows), over every graph seen
         self.gemv_norms = 0  # of them, those with their RMSNorm folded in (gemv_fusion)
         self.rotations = 0  # RoPE rotate_half concatenations written as indexing (`rotate_half.py`)
@@ -99,7 +100,8 @@ class FuseSharedInputMatmuls(CustomGraphPass):
                 self.fused += len(nodes) - 1
         self.rotations += rotate_half_without_cat(graph)
         if self.gemv_rows:
-            gemvs, norms = _as_reductions(graph, self.gemv_rows, self.gemv_fusion)
+            gemvs, norms = _as_reductions(graph, self.gemv_rows, fold=bool(self.gemv_fusion),
+                                          split=self.gemv_fusion is True)
             self.gemvs += gemvs
             self.gemv_norms += norms
         graph.lint()
@@ -136,11 +138,15 @@ class FuseSharedInputMatmuls(CustomGraphPass):
                     delattr(gm, w.target)
 
 
-def _as_reductions(graph, rows: int, fold: bool = False) -> tuple[int, int]:
+def _as_reductions(graph, rows: int, fold: bool = False, split: bool = False) -> tuple[int, int]:
     """Rewrite `mm(x [M, K], W [K, N])` with a constant W and M <= rows as `sum(x[:, :, None] * W[None], 1)` in float32
     (float64 for float64 models), cast back to the mm's dtype. With `fold`, an RMSNorm that makes x is computed inside
-    the reduction (`_rms_norm`), and an mm read only through column slices of one width (gate/up) becomes one
-    reduction per slice. Returns (GEMMs rewritten, norms folded)."""
+    the reduction (`_rms_norm`); with `split` (and fold), an mm read only through column slices of one width (gate/up)
+    becomes one reduction per slice. Returns (GEMMs rewritten, norms folded).
+
+    Why both can be chosen: on the CPU proxy (`examples/kernel_census.py`), folding kept q/k/v's reduction persistent
+    (K loaded once), while the split gate/up, its norm recomputed per slice, became a looped reduction (three sums over
+    K in two loops); with both, an H100 step was slower than with neither (examples/results/h100-2026-12-05d)."""
     mm, count, folded = torch.ops.aten.mm.default, 0, 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not mm or node.kwargs:
@@ -157,7 +163,7 @@ def _as_reductions(graph, rows: int, fold: bool = False) -> tuple[int, int]:
         dtype = node.meta["val"].dtype
         acc = torch.float64 if dtype == torch.float64 else torch.float32  # what a GEMM accumulates in
         norm = _rms_norm(x) if fold else None
-        pieces = _equal_slices(node) if fold else None  # [(slice node, start, end)] or None: the whole output
+        pieces = _equal_slices(node) if fold and split else None  # [(slice, start, end)] or None: whole output
         with graph.inserting_before(node):
             w32 = call(torch.ops.prims.convert_element_type.default, w, acc)
             if norm is None:
