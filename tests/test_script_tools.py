@@ -599,6 +599,17 @@ def test_batch_fill_replays_the_engines_batches_from_each_prompts_rounds(tmp_pat
             engine.generate(prompts, batch_size=b, **kw)
             assert batch_fill.continuous_rounds(rounds, b) == engine.last_launched
             assert batch_fill.continuous_rounds(rounds, b) < batch_fill.static_rounds(rounds, b)
+            # the run-ahead loop (the engine's default): a round more a call, a refilled row idles one round (the
+            # drafter-skipping lookup variant keeps the blocking loop, so the drafter here drafts in every round)
+            ahead = SpeculativeEngine(target, drafter, max_len=64, run_ahead=True, lookup_skips_drafter=False)
+            ahead.generate(prompts, batch_size=b, **kw)
+            assert batch_fill.continuous_rounds(rounds, b, run_ahead=True) == ahead.last_launched
+            assert ahead.last_launched > batch_fill.continuous_rounds(rounds, b) + 1  # refills idled
+            launched = 0
+            for i in range(0, len(prompts), b):
+                ahead.generate(prompts[i : i + b], **kw)
+                launched += ahead.last_launched
+            assert batch_fill.static_rounds(rounds, b, run_ahead=True) == launched
         row = run_engine(engine, prompts, 12, 3, eos, lookup=lookup)
         assert row["prompt_rounds"] == rounds and row["batch_fill"] == batch_fill.fill(rounds, 3, False)
     # the rows' rounds from τ's log and the output (`benchmark.occupied_rounds`) with a trained drafter, whose rounds
@@ -624,6 +635,15 @@ def test_batch_fill_replays_the_engines_batches_from_each_prompts_rounds(tmp_pat
     text = batch_fill.main([str(raw), "--batch", "2", "--vs", "ar@1"])
     assert "| 0 | d | m@1 | 4 | 2 | 0.625 | 0.833 |" in text  # static: 10 / (2 x 8); continuous: 10 / (2 x 6)
     assert "| 0 | d | m@1 | 4 | 2 | 0.625 | 0.833 |\n" in text and "| 0 | d | ar@1 | 4 | 2 | 1.000 | 1.000 |" in text
+    # --run_ahead: a refilled row idles a round, a call runs one more; a continuous row's own fill sits beside its
+    # replay (`measured`) where the replay covers its prompts, batch size and batching
+    raw.write_text(json.dumps({"method": "m@2c", "prompt_rounds": [4, 1, 1, 4], "launched_rounds": 9,
+                               "row_rounds": 10, "batch_fill": 10 / 18, **timed}) + "\n")
+    text = batch_fill.main([str(raw), "--batch", "2", "--run_ahead", "--prompts", "3", "4"])
+    # continuous: the rows free after rounds 4 and 1; the third prompt idles a round and ends after 1 + 1 + 1 = 3,
+    # the fourth takes that row, idles, ends after 3 + 1 + 4 = 8; one round more: 9; static: (4 + 1) + (4 + 1)
+    assert f"| 0 | d | m@2c | 4 | 2 | {10 / 20:.3f} | {10 / 18:.3f} | {10 / 18:.3f} |" in text
+    assert "| 0 | d | m@2c | 3 | 2 | " in text and text.count(" – |") == 1  # 3 prompts: no measured fill
 
 
 def test_quickstart_refuses_a_missing_drafter_folder(tmp_path):

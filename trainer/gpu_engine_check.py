@@ -435,8 +435,9 @@ def main():
                                           and r.get("plain_greedy_exact", True)
                                           and all(v for x, v in r.items() if x.endswith("_continuous_exact"))
                                           and r.get("graph_sampled_same_tokens", True) for r in rows)
-    res["graphs_used"] = bool(rows) and all(str(r.get("mode", r.get("graph_mode", r.get("compile_mode"))))
-                                            .startswith("cuda_graph") for r in rows)
+    res["graphs_used"] = bool(rows) and all(  # the graph engine's mode; with --compile_only the compiled one's
+        r.get("mode", r.get("graph_mode")) == "cuda_graph" if "mode" in r or "graph_mode" in r
+        else r.get("compile_mode") == "cuda_graph+compile" for r in rows)
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(f"all_exact={res['all_exact']} graphs_used={res['graphs_used']}", flush=True)
 
