@@ -32,8 +32,7 @@ from __future__ import annotations
 import torch
 
 from . import fx_nodes, rotate_half
-from .fx_nodes import node_maker
-from .rotate_half import rotate_half_without_cat
+from .fx_nodes import is_call, node_maker
 
 try:  # a CustomGraphPass with a uuid keeps inductor's FX graph cache usable
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -85,7 +84,7 @@ class FuseSharedInputMatmuls(CustomGraphPass):
         mm = torch.ops.aten.mm.default
         groups: dict = {}  # (x node, in width, dtype, device) -> mm nodes in graph order
         for node in graph.nodes:
-            if node.op != "call_function" or node.target is not mm or node.kwargs:
+            if not is_call(node, mm) or node.kwargs:
                 continue
             x, w = node.args
             if _constant(x) or not _constant(w) or "." in w.target or "val" not in w.meta or "val" not in x.meta:
@@ -98,7 +97,7 @@ class FuseSharedInputMatmuls(CustomGraphPass):
             if len(nodes) > 1:
                 self._fuse(gm, graph, x, nodes)
                 self.fused += len(nodes) - 1
-        self.rotations += rotate_half_without_cat(graph)
+        self.rotations += rotate_half.rotate_half_without_cat(graph)
         if self.gemv_rows:
             gemvs, norms = _as_reductions(graph, self.gemv_rows, fold=bool(self.gemv_fusion),
                                           split=self.gemv_fusion is True)
@@ -149,7 +148,7 @@ def _as_reductions(graph, rows: int, fold: bool = False, split: bool = False) ->
     K in two loops); with both, an H100 step was slower than with neither (examples/results/h100-2026-12-05d)."""
     mm, count, folded = torch.ops.aten.mm.default, 0, 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not mm or node.kwargs:
+        if not is_call(node, mm) or node.kwargs:
             continue
         x, w = node.args
         if _constant(x) or not _constant(w) or "val" not in x.meta or "val" not in w.meta:
@@ -192,9 +191,8 @@ def _equal_slices(node):
     gate/up), else None. As separate reductions of one width they fuse into one kernel, and with them what reads both
     (SiLU(gate) * up); the merged reduction's output would have to be written and read back."""
     users = list(node.users)
-    if len(users) < 2 or any(u.op != "call_function" or u.target is not torch.ops.aten.slice.Tensor
-                             or len(u.args) != 4 or u.args[1] != 1 or u.kwargs
-                             or not all(type(a) is int for a in u.args[2:]) for u in users):
+    if len(users) < 2 or any(not is_call(u, torch.ops.aten.slice.Tensor) or len(u.args) != 4 or u.args[1] != 1
+                             or u.kwargs or not all(type(a) is int for a in u.args[2:]) for u in users):
         return None
     pieces = [(u, u.args[2], u.args[3]) for u in users]
     widths = {end - start for _, start, end in pieces}
@@ -238,17 +236,13 @@ class _FoldedNorm:
 def _rms_norm(x):
     """The `_FoldedNorm` that makes the mm input `x`, or None when x is anything else."""
     aten, convert = torch.ops.aten, torch.ops.prims.convert_element_type.default
-
-    def op(node, *targets):
-        return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
-
     chain = []
-    if not op(x, aten.reshape.default, aten.view.default, aten._unsafe_view.default):
+    if not is_call(x, aten.reshape.default, aten.view.default, aten._unsafe_view.default):
         return None
     m, k = x.meta["val"].shape
     chain.append(x)
     scaled = x.args[0]
-    if not op(scaled, aten.mul.Tensor) or len(scaled.users) != 1:
+    if not is_call(scaled, aten.mul.Tensor) or len(scaled.users) != 1:
         return None
     chain.append(scaled)
     a, b = scaled.args
@@ -257,20 +251,20 @@ def _rms_norm(x):
     if not (_constant(weight) and weight.meta["val"].shape == (k,)) or not isinstance(y, torch.fx.Node):
         return None
     cast = None
-    if op(y, convert):
+    if is_call(y, convert):
         if len(y.users) != 1:
             return None
         chain.append(y)
         cast, y = y.args[1], y.args[0]
-    if not op(y, aten.mul.Tensor) or len(y.users) != 1:
+    if not is_call(y, aten.mul.Tensor) or len(y.users) != 1:
         return None
     chain.append(y)
     for h_first, (h, r) in ((True, y.args), (False, y.args[::-1])):  # y = h * r or r * h
-        if not (op(r, aten.rsqrt.default) and op(r.args[0], aten.add.Tensor)):
+        if not (is_call(r, aten.rsqrt.default) and is_call(r.args[0], aten.add.Tensor)):
             continue
         mean, eps = r.args[0].args  # r = rsqrt(mean + eps)
-        if not (op(mean, aten.mean.dim) and isinstance(eps, float) and op(mean.args[0], aten.pow.Tensor_Scalar)
-                and mean.args[0].args == (h, 2)):
+        if not (is_call(mean, aten.mean.dim) and isinstance(eps, float)
+                and is_call(mean.args[0], aten.pow.Tensor_Scalar) and mean.args[0].args == (h, 2)):
             continue
         keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
         hv = h.meta["val"]

@@ -1,4 +1,4 @@
-"""New nodes for the engine's inductor graph passes (`fuse_projections.py`, `rotate_half.py`).
+"""Finding and making nodes for the engine's inductor graph passes (`fuse_projections.py`, `rotate_half.py`).
 
 Why: a post-grad pass that adds nodes must give each its fake value (`meta["val"]`): inductor's lowering reads shapes,
 strides and dtypes from it. One helper makes both, so no pass can add a node without one.
@@ -6,6 +6,12 @@ strides and dtypes from it. One helper makes both, so no pass can add a node wit
 from __future__ import annotations
 
 import torch
+
+
+def is_call(node, *targets) -> bool:
+    """Whether `node` is an FX node calling one of `targets` (an argument may be a constant, or a node of another
+    kind): the test every pattern the passes look for starts with."""
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
 
 def node_maker(graph, fake_mode):
@@ -19,4 +25,4 @@ def node_maker(graph, fake_mode):
     return call
 
 
-__all__ = ["node_maker"]
+__all__ = ["is_call", "node_maker"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .fx_nodes import node_maker
+from .fx_nodes import is_call, node_maker
 
 _END = (2**63 - 1, 2**31 - 1)  # what `x[..., h:]` leaves as a slice's end
 
@@ -23,8 +23,7 @@ _END = (2**63 - 1, 2**31 - 1)  # what `x[..., h:]` leaves as a slice's end
 def _slice_of(node, dim, start, end):
     """x when `node` is `slice(x, dim, start, end)` of a tensor x whose size along `dim` is known (an open end also
     matches when `end` is that size), else None."""
-    if not (isinstance(node, torch.fx.Node) and node.op == "call_function"
-            and node.target is torch.ops.aten.slice.Tensor and len(node.args) >= 3 and not node.kwargs):
+    if not (is_call(node, torch.ops.aten.slice.Tensor) and len(node.args) >= 3 and not node.kwargs):
         return None
     x = node.args[0]
     if not isinstance(x, torch.fx.Node) or "val" not in x.meta:
@@ -44,7 +43,7 @@ def rotate_half_without_cat(graph) -> int:
     many."""
     aten, count = torch.ops.aten, 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not aten.cat.default or "val" not in node.meta:
+        if not is_call(node, aten.cat.default) or "val" not in node.meta:
             continue
         parts = node.args[0]
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
@@ -55,7 +54,7 @@ def rotate_half_without_cat(graph) -> int:
         width = out.shape[-1]
         half = width // 2
         neg, second = parts
-        if width % 2 or not (isinstance(neg, torch.fx.Node) and neg.target is aten.neg.default):
+        if width % 2 or not is_call(neg, aten.neg.default):
             continue
         last = out.dim() - 1
         x = _slice_of(neg.args[0], last, half, width)
