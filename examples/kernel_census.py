@@ -60,9 +60,32 @@ def _codegen_only() -> None:
                          "generator imports it, even without a GPU") from None
     config.cpu_backend = "triton"
     config.compile_threads = 1
+    _gpu_realization(config)
     config.cpp.weight_prepack = False  # (a C++ backend pass; off so that GEMMs stay `mm` as on the GPU)
     triton_utils.triton_hash_with_backend = lambda: "codegen-only"  # no driver here to hash
     async_compile.AsyncCompile.triton = lambda self, *a, **k: _NoKernel()
+
+
+def _gpu_realization(config) -> None:
+    """Inductor's rules for writing a value out instead of recomputing it where it is read, as on a GPU. Why: two of
+    them differ on CPU tensors. A value with `exp`, `sigmoid`, `tanh` or a log in it that is read more than once is
+    always written out on the CPU, which made SiLU(gate) * up a kernel of its own in every layer: the GEMV rewrite
+    reads it once per output column. On a GPU it is recomputed inside the down projection's reduction (2 reads, under
+    `realize_reads_threshold`). And the CPU's limit of accumulated reads (`realize_cpu_acc_reads_threshold`, 12) is the
+    GPU's 8. Until 2026-12-05 (sixth session) the census counted with the CPU's rules: 30 pointwise kernels a plain
+    step more than the GPU's inductor generates."""
+    import torch._inductor.ir as ir
+
+    def should_realize_on_reuse(self, users, *, graph_reuse=True):  # StorageBox's rule without its CPU branch
+        if users > 1 and isinstance(self.data, (ir.Pointwise, ir.Reduction)):
+            if self.has_large_inner_fn():
+                return True
+            return graph_reuse and self.num_reads() > config.realize_reads_threshold
+        return False
+
+    ir.StorageBox.should_realize_on_reuse = should_realize_on_reuse
+    if config.realize_acc_reads_threshold is None:
+        config.realize_acc_reads_threshold = getattr(config, "_realize_acc_reads_threshold_default", 8)
 
 
 def census(mode: str, batch: int, inductor: dict, gemv_rows: int = 0, max_len: int = 640,
