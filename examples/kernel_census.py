@@ -21,6 +21,7 @@ lookup 15).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import re
@@ -60,10 +61,19 @@ def _codegen_only() -> None:
                          "generator imports it, even without a GPU") from None
     config.cpu_backend = "triton"
     config.compile_threads = 1
+    # no code from inductor's caches: their keys do not cover the realization rules below, so a cached graph could
+    # hold code generated under other rules (seen: a graph compiled under the CPU's rule, loaded under the GPU's)
+    if hasattr(config, "force_disable_caches"):
+        config.force_disable_caches = True
+    else:  # (older inductor)
+        config.fx_graph_cache = False
     _gpu_realization(config)
     config.cpp.weight_prepack = False  # (a C++ backend pass; off so that GEMMs stay `mm` as on the GPU)
     triton_utils.triton_hash_with_backend = lambda: "codegen-only"  # no driver here to hash
     async_compile.AsyncCompile.triton = lambda self, *a, **k: _NoKernel()
+
+
+_CPU_RULE = None  # inductor's `StorageBox.should_realize_on_reuse`, before `_gpu_realization` replaces it
 
 
 def _gpu_realization(config) -> None:
@@ -75,6 +85,9 @@ def _gpu_realization(config) -> None:
     GPU's 8. Until 2026-12-05 (sixth session) the census counted with the CPU's rules: 30 pointwise kernels a plain
     step more than the GPU's inductor generates."""
     import torch._inductor.ir as ir
+
+    global _CPU_RULE
+    _CPU_RULE = _CPU_RULE or ir.StorageBox.should_realize_on_reuse  # inductor's own, kept for the tests' control
 
     def should_realize_on_reuse(self, users, *, graph_reuse=True):  # StorageBox's rule without its CPU branch
         if users > 1 and isinstance(self.data, (ir.Pointwise, ir.Reduction)):
@@ -114,11 +127,29 @@ def census(mode: str, batch: int, inductor: dict, gemv_rows: int = 0, max_len: i
     if mode == "tree_lookup":
         kw.update(tree=TreeSpec.load(TREE), tree_nodes=31, prompt_lookup_num_tokens=15)
     prompts = [[5 + (i * 7 + j) % 300 for i in range(40 + j)] for j in range(batch)]
+    with written_code() as written:
+        try:
+            with torch.no_grad():
+                engine.generate(prompts, **kw)
+        except _Stop:
+            pass
+    cache = engine._caches[batch][0].k[0]
+    launches, whole = count_launches(written, cache.numel())
+    return {"mode": mode, "batch": batch, "graphs": len(written), "launches": sum(launches.values()),
+            "by_kind": dict(launches.most_common()), "whole_cache_buffers": whole,
+            "cache_shape": list(cache.shape)}
+
+
+@contextlib.contextmanager
+def written_code():
+    """Collect the paths of the code inductor writes inside the block (each compiled graph's module, once each)."""
     written = []
 
     class Paths(logging.Handler):  # inductor logs where it wrote each graph's code
         def emit(self, record):
-            written.extend(re.findall(r"Output code written to: (\S+)", record.getMessage()))
+            for path in re.findall(r"Output code written to: (\S+)", record.getMessage()):
+                if path not in written:
+                    written.append(path)
 
     handler = Paths()
     log = logging.getLogger("torch._inductor.codecache.__output_code")
@@ -126,29 +157,29 @@ def census(mode: str, batch: int, inductor: dict, gemv_rows: int = 0, max_len: i
     log.addHandler(handler)
     log.propagate = False  # (not torch's handler: it would print every graph's code)
     try:
-        with torch.no_grad():
-            engine.generate(prompts, **kw)
-    except _Stop:
-        pass
+        yield written
     finally:
         log.removeHandler(handler)
         log.propagate = True
         torch._logging.set_logs()
-    cache = engine._caches[batch][0].k[0]
-    cache_numel = cache.numel()
+
+
+def count_launches(paths, cache_numel: int = 0) -> tuple[Counter, int]:
+    """Launches in the `call` functions of inductor's generated modules at `paths`, by kind (`triton_poi` pointwise,
+    `triton_per` persistent and `triton_red` looped reductions, extern calls by name), and the buffers they allocate
+    of `cache_numel` elements (a whole KV cache)."""
     launches, whole = Counter(), 0
-    for path in dict.fromkeys(written):
+    for path in paths:
         code = Path(path).read_text()
         body = code[code.rfind("def call("):]
         for name in re.findall(r"^\s+(\w+)\.run\(", body, re.M):
             launches["triton_" + name.split("_")[1] if name.startswith("triton_") else name] += 1
         for name in re.findall(r"^\s+(?:\w+ = )?(extern_kernels\.\w+|torch\.ops\.\w+\.\w+)", body, re.M):
             launches[name] += 1
-        for shape in re.findall(r"empty_strided_cpu\(\(([\d, ]+)\)", body):
-            whole += torch.Size(int(x) for x in shape.split(",") if x.strip()).numel() == cache_numel
-    return {"mode": mode, "batch": batch, "graphs": len(dict.fromkeys(written)), "launches": sum(launches.values()),
-            "by_kind": dict(launches.most_common()), "whole_cache_buffers": whole,
-            "cache_shape": list(cache.shape)}
+        if cache_numel:
+            for shape in re.findall(r"empty_strided_cpu\(\(([\d, ]+)\)", body):
+                whole += torch.Size(int(x) for x in shape.split(",") if x.strip()).numel() == cache_numel
+    return launches, whole
 
 
 def main(argv=None):

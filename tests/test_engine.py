@@ -322,16 +322,18 @@ def test_graph_path_plumbing_with_eager_stand_in(monkeypatch, typ):
     assert len(prefills) == 2  # the forward (every prompt here is in the first width bucket) and the copy-in
     # continuous batching (5 prompts through 2 rows): refilled rows restart through a captured graph of their own
     # (`DecodeState.restart`, once per state), with the eager engine's tokens and rounds, greedy and sampled; the same
-    # with the next prompt's forward run ahead through the same stand-in graphs (`prefill_ahead`)
+    # with the next prompt's forward run ahead through the same stand-in graphs (`prefill_ahead`), and with the next
+    # two in one forward (`prefill_ahead=2`: a two-slot row prefill, its own forward and copy-in graphs)
     prompts = _prompts(5, (6, 3, 8, 2, 5))
-    for ahead in (False, True):
+    for ahead in (False, True, 2):
         engine.prefill_ahead = ahead
         for kw in (dict(max_new_tokens=20), dict(max_new_tokens=20, do_sample=True, temperature=0.9, seed=7)):
             fresh = SpeculativeEngine(target, drafter, max_len=96, prefill_ahead=False)  # eager, plain refills
             assert engine.generate(prompts, batch_size=2, **kw) == fresh.generate(prompts, batch_size=2, **kw)
             assert engine.rounds == fresh.rounds and engine.last_mode == "cuda_graph"
     assert sum(key[0] == "restart" for key in engine._graphs if isinstance(key, tuple)) == 1
-    assert len(prefills) == 2  # the batch-2 row prefill of the calls above serves the refills: no new capture
+    assert len(prefills) == 4  # the batch-2 row prefill of the calls above serves the one-slot refills (no new
+    # capture); the two-slot one captured its forward and copy-in once for its calls
 
 
 def test_row_prefill_is_compiled_with_the_rounds(monkeypatch):

@@ -103,8 +103,9 @@ def test_batch_size_errors():
         engine.generate([[1, 2]], batch_size=0)
     with pytest.raises(ValueError, match="at least one prompt"):
         engine.generate([], batch_size=2)
-    with pytest.raises(ValueError, match="prefill_ahead='yes': True or False"):
-        SpeculativeEngine(target, None, max_len=64, prefill_ahead="yes")
+    for bad in ("yes", 0, -2, 2.0):
+        with pytest.raises(ValueError, match=f"prefill_ahead={bad!r}: True, False or a number of prompts"):
+            SpeculativeEngine(target, None, max_len=64, prefill_ahead=bad)
 
 
 def test_restart_loads_flagged_rows_as_start_loads_all():
@@ -206,11 +207,14 @@ def test_run_ahead_queues_the_next_round_behind_a_refill():
     assert launched == events.count("launch")
 
 
-def test_prefill_ahead_gives_the_same_tokens_and_rounds():
-    """`prefill_ahead=True` (the next waiting prompt's forward run early, then copied into the row that frees first):
-    every configuration's outputs, rounds and lookup flags equal the plain refill's, greedy and sampled (the first
-    token's draw consumes the generator at the same point), through 3 rows and through 1; and the staged prompts were
-    really loaded. A prompt left staged by an earlier call (as an interrupted one would leave it) is not loaded."""
+@pytest.mark.parametrize("ahead_n", [True, 3])
+def test_prefill_ahead_gives_the_same_tokens_and_rounds(ahead_n):
+    """`prefill_ahead=True` (the next waiting prompt's forward run early, then copied into the row that frees first)
+    and `prefill_ahead=3` (the next three in one forward, each in a staging slot of its own; the call's first rows
+    and unstaged refills three a forward too): every configuration's outputs, rounds and lookup flags equal the plain
+    refill's, greedy and sampled (the first token's draw consumes the generator at the same point), through 3 rows
+    and through 1; and the staged prompts were really loaded. A prompt left staged by an earlier call (as an
+    interrupted one would leave it) is not loaded."""
     from hf_carryover.engine.refill import RowPrefill
 
     target, drafter, prompts, max_new, _ = _trained_setup("dflash", True, steps=60)
@@ -219,9 +223,9 @@ def test_prefill_ahead_gives_the_same_tokens_and_rounds():
     loads = []
     real_load = RowPrefill.load
 
-    def counting_load(self, r):
+    def counting_load(self, r, key=None):
         loads.append(r)
-        return real_load(self, r)
+        return real_load(self, r, key)
 
     configs = [(None, {}), (drafter, {}), (drafter, {"prompt_lookup_num_tokens": 4}),
                (drafter, {"tree": WIDE, "tree_nodes": 5}), (drafter, {"do_sample": True, "seed": 3}),
@@ -229,11 +233,12 @@ def test_prefill_ahead_gives_the_same_tokens_and_rounds():
     for d, extra in configs:
         kw = dict(max_new_tokens=max_new, eos_token_id=eos, **extra)
         plain = SpeculativeEngine(target, d, max_len=96, prefill_ahead=False)
-        ahead = SpeculativeEngine(target, d, max_len=96)  # (the default)
+        ahead = SpeculativeEngine(target, d, max_len=96, prefill_ahead=ahead_n)  # (True: the default)
+        slots = 1 if ahead_n is True else ahead_n
         for b in (3, 1, 3):
-            for pf in (plain._prefills.get((b, False)), ahead._prefills.get((b, False))):
+            for pf in (plain._prefills.get((b, False, 1)), ahead._prefills.get((b, False, slots))):
                 if pf is not None:  # staged by a call that never loaded it: its key is a prompt index of this call
-                    pf.ahead(3, prompts[-1])
+                    pf.ahead([3], [prompts[-1]])
             want = plain.generate(prompts, batch_size=b, **kw), plain.rounds, plain.lookup_rounds
             loads.clear()
             RowPrefill.load = counting_load
@@ -243,7 +248,7 @@ def test_prefill_ahead_gives_the_same_tokens_and_rounds():
                 RowPrefill.load = real_load
             assert got == want, (d is None, extra, b)
             assert len(loads) >= 3, loads  # most refills took the prompt prefilled ahead
-            assert ahead._prefills[(b, False)].staged is None  # every staged prompt was used
+            assert ahead._prefills[(b, False, slots)].staged == {}  # every staged prompt was used
 
 
 def test_prefill_ahead_writes_only_its_staging_buffers():
@@ -258,18 +263,61 @@ def test_prefill_ahead_writes_only_its_staging_buffers():
     (st,) = engine._states.values()
     (pf,) = engine._prefills.values()
     before = [t.clone() for t in st.tensors()]
-    pf.ahead("next", [4, 9, 2, 7, 3])
+    pf.ahead(["next"], [[4, 9, 2, 7, 3]])
     assert all(torch.equal(a, t) for a, t in zip(before, st.tensors()))
-    assert pf.staged == ("next", 5, pf.width(5))
-    pf.load(1)
+    assert pf.staged == {"next": (0, 5, pf.width(5))}
+    pf.load(1, "next")
     caches = st.cache.k + st.cache.v + st.dcache.keys + st.dcache.values
     old = before[-len(caches):]
     assert all(torch.equal(a[[0, 2]], t[[0, 2]]) for a, t in zip(old, caches))  # the other rows: untouched
     assert any(not torch.equal(a[1], t[1]) for a, t in zip(old, caches))
-    assert pf.staged is None
+    assert pf.staged == {}
     with pytest.raises(RuntimeError, match="no prompt was staged"):
         pf.load(0)
+    with pytest.raises(ValueError, match="1 to 1 prompts with one key each"):
+        pf.ahead([1, 2], [[4, 9], [5]])
     dev = torch.device("cpu")
     with ta.counter_lane("row_prefill"):
         mine = ta._counters(dev, 8)
     assert ta._counters(dev, 8) is not mine and ta._counters(dev, 8) is ta._counters(dev, 4)
+
+
+def test_staging_slots_prefill_each_prompt_as_alone():
+    """`prefill_ahead=N`'s staging slots are independent: three prompts of different widths staged in one forward
+    (`RowPrefill.ahead`) and loaded in another order write each batch row's caches (target and drafter) and give its
+    logits as the one-slot prefill of that prompt alone does (at the prompt's positions), and leave the other rows as
+    they were; a key that was not staged is refused by name. (Equal up to float rounding, not bitwise: a GEMM of three
+    prompts' rows may sum in another order than one of one prompt's, as any batched forward; the tokens are compared
+    exactly in `test_prefill_ahead_gives_the_same_tokens_and_rounds`.)"""
+    target = build_target("llama")
+    drafter = build_drafter(target, "dflash", True)
+    one = SpeculativeEngine(target, drafter, max_len=300)
+    three = SpeculativeEngine(target, drafter, max_len=300, prefill_ahead=3)
+    prompts = _prompts(4, (5, 140, 2))  # width buckets 128, 256, 128: the group's forward pads all three to 256
+    with torch.no_grad():
+        for engine in (one, three):
+            engine.generate(_prompts(9, (5, 8, 6, 7)), max_new_tokens=10, batch_size=3)
+    (st1,), (pf1,) = one._states.values(), one._prefills.values()
+    (st3,), (pf3,) = three._states.values(), three._prefills.values()
+    assert (pf1.slots, pf3.slots) == (1, 3)
+
+    def caches(st):
+        return st.cache.k + st.cache.v + st.dcache.keys + st.dcache.values
+
+    for st in (st1, st3):  # both batches' caches from the same start
+        for t in caches(st):
+            t.zero_()
+    pf3.ahead(["a", "b", "c"], prompts)
+    assert pf3.staged == {"a": (0, 5, 256), "b": (1, 140, 256), "c": (2, 2, 256)}
+    with pytest.raises(KeyError, match="'d' was not staged"):
+        pf3.load(0, "d")
+    got = {r: pf3.load(r, key).clone() for r, key in ((2, "c"), (0, "a"))}  # "b" stays staged
+    assert list(pf3.staged) == ["b"]
+    for r, p in ((2, prompts[2]), (0, prompts[0])):
+        pf1.ahead([r], [p])
+        torch.testing.assert_close(pf1.load(r, r), got[r], rtol=1e-5, atol=1e-5)
+    for big3, big1 in zip(caches(st3), caches(st1)):  # rows 0 and 2 as prefilled alone, at the prompts' positions
+        for r, n in ((0, 5), (2, 2)):  # (past them: pad rows of another width, never seen, `refill.py`)
+            torch.testing.assert_close(big3[r, :, :n], big1[r, :, :n], rtol=1e-5, atol=1e-5)
+    assert not any(t[1].any() for t in caches(st3))  # row 1 untouched
+    assert all(t[[0, 2]].abs().sum() > 0 for t in caches(st3))  # (rows 0 and 2 were written)

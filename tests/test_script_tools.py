@@ -444,6 +444,50 @@ def test_compile_census_counts_graphs_and_breaks(tmp_path):
     assert any("graph_break()" in r for r in sampled["reasons"]), sampled
 
 
+_CENSUS_PROBE = """
+import sys
+import torch
+import kernel_census as kc
+
+kc._codegen_only()
+rule = sys.argv[1]
+if rule == "cpu":  # inductor's own CPU rule back (what the census counted with before 2026-12-05e)
+    import torch._inductor.ir as ir
+    ir.StorageBox.should_realize_on_reuse = kc._CPU_RULE
+k, n = 48, 16
+w_gu, w_down = torch.randn(n, 2 * k), torch.randn(k, n)
+
+def step(h):  # a one-row MLP as gemv_rows writes it: gate/up as a reduction, SiLU(gate) * up, down as a reduction
+    gu = (h[:, :, None] * w_gu[None]).sum(1)
+    act = torch.nn.functional.silu(gu[:, :k]) * gu[:, k:]
+    return (act[:, :, None] * w_down[None]).sum(1)
+
+with kc.written_code() as paths:
+    torch.compile(step)(torch.randn(1, n))
+launches, _ = kc.count_launches(paths)
+print(dict(launches))
+"""
+
+
+def test_kernel_census_counts_with_the_gpus_realization_rules(tmp_path):
+    """examples/kernel_census.py generates code as inductor does for a GPU: SiLU(gate) * up, read once per output
+    column by the down projection's reduction, is recomputed inside it (two reductions, no pointwise kernel), where
+    inductor's CPU rule for values with a sigmoid would write it out (a third kernel: what the census counted before).
+    Both runs share an inductor cache directory: the census reads no cached code, whose keys do not cover these rules.
+    A process of its own: the census switches inductor's CPU backend to Triton code generation for the process."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "examples"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ind"),
+           "OMP_NUM_THREADS": "1"}  # (one cache directory for both runs: the census must not read it)
+    got = {}
+    for rule in ("gpu", "cpu"):
+        res = subprocess.run([sys.executable, "-c", _CENSUS_PROBE, rule], env=env, capture_output=True, text=True,
+                             cwd=tmp_path)
+        assert res.returncode == 0, res.stderr[-2000:]
+        got[rule] = eval(res.stdout.strip().splitlines()[-1])  # noqa: S307  (a dict the probe printed)
+    assert got["gpu"] == {"triton_per": 2}, got
+    assert got["cpu"] == {"triton_per": 2, "triton_poi": 1}, got  # the negative control: the old count
+
+
 def test_pass_determinism_flags_rows_whose_passes_decoded_different_tokens(tmp_path, capsys):
     """examples/pass_determinism.py: a row timed in several passes is flagged when their token counts differ; rows of
     one pass and rows without a pass field are left out; passes are compared per file, method and dataset."""

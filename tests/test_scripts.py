@@ -424,7 +424,7 @@ def test_gpu_engine_check_tiny_cpu(tmp_path, monkeypatch, capsys):
     assert row["compile_sampled_mode"] == "eager (no CUDA) +compile"
     # --compile_only: the compiled engine against the eager one alone (here with continuous batching), each stage
     # written and announced as it finishes; refused without --compile
-    cmd_o = cmd_c[:-2] + ["--compile_only", "--continuous", "--out", str(out)]
+    cmd_o = cmd_c[:-2] + ["--compile_only", "--continuous", "--prefill_ahead", "2", "--out", str(out)]
     res = subprocess.run(cmd_o, env=env, capture_output=True, text=True, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     summary_o = json.loads(out.read_text())
@@ -432,11 +432,16 @@ def test_gpu_engine_check_tiny_cpu(tmp_path, monkeypatch, capsys):
     assert summary_o["compile_only"] and summary_o["all_exact"] and row["done"] == "all", row
     assert row["compile_exact"] and "exact" not in row and "graph_sampled_same_tokens" not in row, row
     assert row["graph_compile_continuous_exact"] and row["graph_compile_ahead_continuous_exact"], row
+    assert row["graph_compile_ahead2_continuous_exact"], row  # (--prefill_ahead 2: two prompts a forward)
     stages = [line.split(": ", 1)[1] for line in res.stdout.splitlines() if line.startswith("[")]
     assert stages[:3] == ["eager reference", "graph_compile against eager", "eager continuous"], stages
     with pytest.raises(SystemExit):
         _in_process(monkeypatch, script, [a for a in cmd_o[2:] if a != "--compile"], tmp_path)
     assert "--compile_only checks the compiled engine's exactness" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        i = cmd_o.index("--prefill_ahead")
+        _in_process(monkeypatch, script, cmd_o[2 : i + 1] + ["1"] + cmd_o[i + 2 :], tmp_path)
+    assert "--prefill_ahead 1: needs --continuous and N >= 2" in capsys.readouterr().err
     # --lookup --deterministic: looping prompts, so lookup rounds and drafter-free rounds happen; the skipping eager
     # engine equals the always-drafting one, greedy and sampled; bf16 rows repeat their tokens
     cmd_l = cmd[:-3] + ["--lookup", "3", "--deterministic", "--kinds", "dflash", "--batch_sizes", "1", "--out",

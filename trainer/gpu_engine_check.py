@@ -26,7 +26,8 @@ With --continuous, every engine (the eager one too) also decodes both prompt set
 engines) and must give each prompt the tokens and rounds of the fp32 static reference (`<engine>_continuous_exact`);
 a second call on the graph engine counts its host syncs (`graph_continuous_syncs`, against its refills and launched
 rounds: a refill should add none). Each continuous call runs again with `prefill_ahead=True` (the next prompt's
-forward on a side stream beside the rounds): `<engine>_ahead_continuous_exact`, `graph_ahead_continuous_syncs`.
+forward on a side stream beside the rounds): `<engine>_ahead_continuous_exact`, `graph_ahead_continuous_syncs`; with
+--prefill_ahead N also with `prefill_ahead=N` (the next N prompts in one forward): `<engine>_ahead<N>_continuous_*`.
 With --deterministic, PyTorch's deterministic algorithms (warn only) and a fixed cuBLAS workspace; bf16 rows record
 `graph_repeat_same_tokens` (a second identical call on the graph engine) either way.
 With --compile_only (fp32, --compile) only the compiled engine is compared with the eager one (greedy; continuous and
@@ -191,6 +192,8 @@ def main():
     p.add_argument("--compile_engine_options", nargs="+", default=[], metavar="KEY=VALUE", help="SpeculativeEngine "
                    "arguments for the compiled engine only (e.g. gemv_rows=64: its GEMMs as generated reductions, "
                    "which only a compiled engine can take), recorded as compile_engine_options")
+    p.add_argument("--prefill_ahead", type=int, default=None, metavar="N", help="with --continuous: every continuous "
+                   "call also with prefill_ahead=N (the next N waiting prompts in one forward, N >= 2)")
     p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True, "
                    "warn_only=True) and CUBLAS_WORKSPACE_CONFIG=:4096:8: does run-to-run or eager/replay variation go?")
     args = p.parse_args()
@@ -207,6 +210,9 @@ def main():
         p.error("--target and --prompts_dir go together (random token prompts mean nothing to a real target)")
     if args.tiny and args.target:
         p.error("--tiny shrinks the random target; it does not apply to --target")
+    if args.prefill_ahead is not None and (not args.continuous or args.prefill_ahead < 2):
+        p.error(f"--prefill_ahead {args.prefill_ahead}: needs --continuous and N >= 2 (1 is prefill_ahead=True, "
+                "which --continuous always checks)")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     from benchmark import parse_engine_options, parse_inductor_options
     from evaluate_tau import environment
@@ -327,9 +333,10 @@ def main():
                             want = refs[0][0] + refs[1][0]
                             want_rounds = refs[0][1] + refs[1][1]
                             as_built = {name: engine.prefill_ahead for name, engine in built.items()}
-                            for (name, engine), ahead in itertools.product(built.items(), (False, True)):
-                                engine.prefill_ahead = ahead  # next prompt's forward on a side stream
-                                tag = name + ("_ahead" if ahead else "")
+                            aheads = (False, True) + ((args.prefill_ahead,) if args.prefill_ahead else ())
+                            for (name, engine), ahead in itertools.product(built.items(), aheads):
+                                engine.prefill_ahead = ahead  # next prompt(s)' forward on a side stream
+                                tag = name + ("" if ahead is False else "_ahead" if ahead is True else f"_ahead{ahead}")
                                 out = engine.generate(sets[0] + sets[1], max_new_tokens=max_new, eos_token_id=eos,
                                                       batch_size=b, **lk)
                                 row[f"{tag}_continuous_exact"] = out == want and engine.rounds == want_rounds

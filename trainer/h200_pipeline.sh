@@ -623,8 +623,8 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
   # "engprofile" splits a captured engine round's (examples/profile_engine.py, PROFILE_* below); the job
   # "check" runs the fp32 exactness check of compiled rounds (CHECK_SECONDS, CHECK_KINDS, CHECK_BATCHES, CHECK_LOOKUP,
   # CHECK_DETERMINISTIC=1, CHECK_CONTINUOUS=1: continuous batching against static too (with and without
-  # prefill_ahead), CHECK_COMPILE=0: graph engines without the compiled one, CHECK_INDUCTOR="freezing=True": the
-  # compiled engine's inductor options,
+  # prefill_ahead; CHECK_AHEAD=N: also prefill_ahead=N), CHECK_COMPILE=0: graph engines without the compiled one,
+  # CHECK_INDUCTOR="freezing=True": the compiled engine's inductor options,
   # CHECK_TREE=N with CHECK_DRAFTER: its draft_tree.json, N nodes a round, CHECK_ATTENTION=triton: every engine on the
   # Triton attention kernel; CHECK_ENGINE="rope_table=True": SpeculativeEngine arguments of every engine;
   # CHECK_COMPILE_ENGINE="gemv_rows=64": those of the compiled engine only; CHECK_COMPILE_ONLY=1: only the compiled
@@ -645,6 +645,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
       CUDA_VISIBLE_DEVICES=$(gpu $1) timeout $(call_box ${CHECK_SECONDS:-200}) $(pin $1) python3 trainer/gpu_engine_check.py $([ "${CHECK_COMPILE:-1}" = 0 ] || echo --compile) --dtypes fp32 \
         --kinds ${CHECK_KINDS:-dflash} --batch_sizes ${CHECK_BATCHES:-1} $T ${CHECK_LOOKUP:+--lookup $CHECK_LOOKUP} \
         ${CHECK_DETERMINISTIC:+--deterministic} ${CHECK_CONTINUOUS:+--continuous} ${CHECK_COMPILE_ONLY:+--compile_only} \
+        ${CHECK_AHEAD:+--prefill_ahead $CHECK_AHEAD} \
         ${CHECK_INDUCTOR:+--inductor $CHECK_INDUCTOR} ${CHECK_TREE:+--tree ${f:?CHECK_TREE needs CHECK_DRAFTER}/draft_tree.json \
         --tree_nodes $CHECK_TREE} ${CHECK_ATTENTION:+--attention $CHECK_ATTENTION} ${CHECK_ENGINE:+--engine_options $CHECK_ENGINE} \
         ${CHECK_COMPILE_ENGINE:+--compile_engine_options $CHECK_COMPILE_ENGINE} \

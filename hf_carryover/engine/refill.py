@@ -18,6 +18,13 @@ and the copy of the staging caches into the batch row (`_copy_in`, one graph). W
 forward of the next waiting prompt runs on a side stream while the rounds go on (`RowPrefill.ahead`); it touches only
 the staging caches, so it cannot race with a round, and only the copy-in, a few microseconds, waits in the rounds'
 queue.
+
+The staging caches hold `slots` prompts (the engine's `prefill_ahead=N`; 1 otherwise): one forward then prefills up to
+N prompts, each in a slot of its own, and each copy-in takes one slot to one row. Why: a prefill of this size is
+mostly fixed cost (1.57 ms of GPU time for one prompt on the H200, `h200-2026-12-03d`, against about 1 ms for a plain
+decoding step of 320 kernels), and under continuous batching every refill pays it beside the rounds; N prompts in one
+forward pay it about once. The slots are independent rows of the forward (batch rows of the target), so a prompt's
+cache and logits are the same whichever slot or group it was prefilled in (tested on CPU against one prompt at a time).
 """
 
 from __future__ import annotations
@@ -44,28 +51,29 @@ def width_bucket(n: int, max_len: int) -> int:
 
 
 class RowPrefill:
-    """Staging caches (batch 1), one forward graph per width bucket and one copy-in graph, for refilling rows of the
-    batch-b caches (which every `DecodeState` of batch b shares, so one RowPrefill serves them all).
+    """Staging caches (batch `slots`), one forward graph per width bucket and one copy-in graph, for refilling rows of
+    the batch-b caches (which every `DecodeState` of batch b shares, so one RowPrefill serves them all).
 
-    Two ways in: `__call__` prefills a prompt into a row at once (forward, then copy-in, in the current stream's
-    order); `ahead` + `load` (the engine's `prefill_ahead`) run the forward of the next waiting prompt early, on a
-    side stream, and later copy it into whichever row finishes first."""
+    Ways in: `__call__` prefills a prompt into a row at once and `rows` several (forwards of up to `slots` prompts,
+    then copy-ins, in the current stream's order); `ahead` + `load` (the engine's `prefill_ahead`) run the forward of
+    the next waiting prompts early, on a side stream, and later copy each into whichever row it is given to."""
 
-    def __init__(self, engine, st, use_graphs: bool):
+    def __init__(self, engine, st, use_graphs: bool, slots: int = 1):
         tc, dev = engine.target.config.get_text_config(), st.anchor.device
         big = st.cache.k[0]  # [b, kv_heads, max_len, head_dim]
-        self.engine, self.st, self.use_graphs = engine, st, use_graphs
-        self.cache = TargetStaticCache(tc.num_hidden_layers, 1, big.shape[1], big.shape[2], big.shape[3], big.dtype,
-                                       dev, engine._steps)
+        self.engine, self.st, self.use_graphs, self.slots = engine, st, use_graphs, int(slots)
+        self.cache = TargetStaticCache(tc.num_hidden_layers, self.slots, big.shape[1], big.shape[2], big.shape[3],
+                                       big.dtype, dev, engine._steps)
         self.dcache = None
         if st.dcache is not None:
             dk = st.dcache.keys[0]
-            self.dcache = DrafterStaticCache(len(st.dcache.keys), 1, dk.shape[1], dk.shape[2], dk.shape[3], dk.dtype,
-                                             dev)
+            self.dcache = DrafterStaticCache(len(st.dcache.keys), self.slots, dk.shape[1], dk.shape[2], dk.shape[3],
+                                             dk.dtype, dev)
         self.row = torch.zeros(1, dtype=torch.long, device=dev)  # the batch row to fill
-        self.last = torch.zeros(1, dtype=torch.long, device=dev)  # the prompt's last position (its logits)
-        self.tokens: dict[int, torch.Tensor] = {}  # width -> [1, width] padded prompt
-        self.logits: dict[int, torch.Tensor] = {}  # width -> [1, vocab] float32 logits at `last`
+        self.slot = torch.zeros(1, dtype=torch.long, device=dev)  # the staging slot it is filled from
+        self.last = torch.zeros(self.slots, dtype=torch.long, device=dev)  # each slot's last prompt position
+        self.tokens: dict[int, torch.Tensor] = {}  # width -> [slots, width] padded prompts
+        self.logits: dict[int, torch.Tensor] = {}  # width -> [slots, vocab] float32 logits at each slot's `last`
         # width -> CUDAGraph of the staging forward, "copy" -> CUDAGraph of the copy-in; None where capture failed
         self.graphs: dict = {}
         cuda = self.row.is_cuda
@@ -77,7 +85,7 @@ class RowPrefill:
         self.side = torch.cuda.Stream(device=dev) if cuda else None  # where `ahead` runs its forward
         self.ready = torch.cuda.Event() if cuda else None  # recorded on `side` after the staged forward
         self.released = torch.cuda.Event() if cuda else None  # the current stream's last use of the staging buffers
-        self.staged = None  # (key, n, width) of the prompt `ahead` staged, until `load` or a `__call__` drops it
+        self.staged: dict = {}  # key -> (slot, n, width) of the prompts `ahead` staged, until loaded or dropped
         # compiled as the engine compiles its rounds: the captured eager forward still launches every unfused kernel
         # of an HF decoder layer, and on the H200 a 135M prefill replayed in 4.2-4.4 ms (`examples/profile_engine.py`,
         # h200-2026-12-03), four plain decoding steps, paid once per prompt and, under continuous batching, by every
@@ -94,17 +102,18 @@ class RowPrefill:
         return width_bucket(n, self.engine.max_len)
 
     def _forward(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
-        """Staging forward of the padded prompt `tokens` `[1, w]` into the staging caches, and the last prompt
-        position's logits into `logits` `[1, vocab]` (in place). Writes nothing a round reads. The width comes from
-        `tokens`, not from an argument, so a compile that leaves it dynamic serves every width."""
+        """Staging forward of the padded prompts `tokens` `[slots, w]` into the staging caches, and each slot's last
+        prompt position's logits into `logits` `[slots, vocab]` (in place). Writes nothing a round reads. The width
+        comes from `tokens`, not from an argument, so a compile that leaves it dynamic serves every width."""
         eng = self.engine
-        w = tokens.shape[1]
-        pos = eng._steps[:w][None]  # [1, w]
+        n, w = tokens.shape
+        pos = eng._steps[:w][None].expand(n, -1)  # [slots, w]
         self.cache.positions = pos
         out = eng.target(input_ids=tokens, position_ids=pos, attention_mask=self.cache.causal_mask(pos),
                          use_cache=True, output_hidden_states=eng.drafter is not None, logits_to_keep=self.last,
                          **{eng._cache_kw: self.cache})
-        logits.copy_(out.logits[:, -1].float())
+        # out.logits [slots, slots, vocab]: every slot's row at every slot's `last`; slot j's own is [j, j]
+        logits.copy_(out.logits.diagonal(0, 0, 1).t().float())
         if eng.drafter is not None:
             feats = eng.drafter.target_features(out.hidden_states)
             self.dcache.write(eng.drafter, eng.drafter.fuse(feats), pos)
@@ -122,76 +131,114 @@ class RowPrefill:
         so one graph. Positions past the prompt get stale staging rows, which are as harmless as the pad rows (the
         row's rounds overwrite them before any query sees them)."""
         for big, small in self._pairs():
-            big.index_copy_(0, self.row, small)
+            big.index_copy_(0, self.row, small if self.slots == 1 else small.index_select(0, self.slot))
 
     def __call__(self, r: int, tokens: torch.Tensor, n: int) -> torch.Tensor:
         """Prefill the first n tokens of `tokens` `[1, >= width]` (a state's staged prompt row, on the device, zeros
         past the prompt) into batch row r (caches only; the caller restarts the row's state). Returns the logits
-        `[1, vocab]` (float32) at the prompt's last position, from which the row's first token is chosen. Nothing
-        here waits for the GPU (device-to-device copies and fills only), so a refill queues behind running rounds.
-        A prompt staged by `ahead` and not loaded is dropped (its forward is waited for: it used the same buffers)."""
-        self.drop()
-        w = self._buffers(n)
-        self._forward_at(w, tokens[:, :w], n)
-        return self._copy_into(r, w)
+        `[1, vocab]` (float32) at the prompt's last position, from which the row's first token is chosen: a view of
+        a buffer that the next forward of the same width overwrites. Nothing here waits for the GPU (device-to-device
+        copies and fills only), so a refill queues behind running rounds. Prompts staged by `ahead` and not loaded
+        are dropped (their forward is waited for: it used the same buffers)."""
+        return self.rows([(r, tokens, n)])[0]
 
-    def ahead(self, key, prompt: list[int]) -> None:
-        """Run the staging forward of `prompt` (token ids) now, on the side stream where there is one, behind
-        everything the current stream was given so far; `load` copies it into a row later. `key` names the prompt
-        for the caller (`staged`). Why: under continuous batching a refill's forward (1.6 ms of GPU time on the H200,
-        `h200-2026-12-03d`) otherwise runs in the rounds' stream with every other row waiting; the rounds of a small
-        target leave most of the GPU idle, so beside them it costs the rows little. Off CUDA it runs in order, now,
-        which is what the tests compare: the forward writes only the staging buffers, so when it runs cannot change
-        what the rounds compute."""
+    def rows(self, items: list) -> list[torch.Tensor]:
+        """`__call__` for several rows, `items` = [(row, tokens `[1, >= width]`, n)], in forwards of up to `slots`
+        prompts (each padded to the widest bucket of its group). Returns each row's logits `[1, vocab]`, copies where
+        there are several (a later group's forward would overwrite the buffer)."""
         self.drop()
-        n = len(prompt)
-        w = self._buffers(n)
-        host = torch.zeros(1, w, dtype=torch.long, pin_memory=self.side is not None)  # [1, w] padded prompt
-        host[0, :n] = torch.as_tensor(prompt, dtype=torch.long)
+        out = []
+        for i in range(0, len(items), self.slots):
+            group = items[i : i + self.slots]
+            w = max(self._buffers(n) for _, _, n in group)
+            if self.slots == 1:
+                (_, tokens, n), = group
+                self._forward_at(w, tokens[:, :w], [n])
+            else:
+                for j, (_, tokens, _) in enumerate(group):
+                    self.tokens[w][j : j + 1].copy_(tokens[:, :w])
+                self._forward_at(w, None, [n for _, _, n in group])
+            for j, (r, _, _) in enumerate(group):
+                last = self._copy_into(r, j, w)
+                out.append(last.clone() if len(items) > 1 else last)
+        return out
+
+    def ahead(self, keys: list, prompts: list[list[int]]) -> None:
+        """Run the staging forward of `prompts` (token-id lists, at most `slots`) now, on the side stream where there
+        is one, behind everything the current stream was given so far; `load` copies each into a row later. `keys`
+        name the prompts for the caller (`staged`). Why: under continuous batching a refill's forward (1.6 ms of GPU
+        time on the H200, `h200-2026-12-03d`) otherwise runs in the rounds' stream with every other row waiting; the
+        rounds of a small target leave most of the GPU idle, so beside them it costs the rows little. Off CUDA it runs
+        in order, now, which is what the tests compare: the forward writes only the staging buffers, so when it runs
+        cannot change what the rounds compute."""
+        if not 1 <= len(prompts) <= self.slots or len(keys) != len(prompts):
+            raise ValueError(f"RowPrefill.ahead: 1 to {self.slots} prompts with one key each, got {len(prompts)} "
+                             f"prompts and {len(keys)} keys")
+        self.drop()
+        lengths = [len(p) for p in prompts]
+        w = max(self._buffers(n) for n in lengths)
+        host = torch.zeros(self.slots, w, dtype=torch.long, pin_memory=self.side is not None)  # [slots, w] padded
+        for j, p in enumerate(prompts):
+            host[j, : len(p)] = torch.as_tensor(p, dtype=torch.long)
         if self.side is None:
-            self._forward_at(w, host, n)
+            self._forward_at(w, host, lengths)
         else:
             self.released.record()  # copy-ins and first-token reads queued so far come first
             with torch.cuda.stream(self.side):
                 self.side.wait_event(self.released)
-                self._forward_at(w, host, n)  # (pinned `host`: kept by the allocator until copied)
+                self._forward_at(w, host, lengths)  # (pinned `host`: kept by the allocator until copied)
                 self.ready.record()
-        self.staged = (key, n, w)
+        self.staged = {key: (j, n, w) for j, (key, n) in enumerate(zip(keys, lengths))}
 
-    def load(self, r: int) -> torch.Tensor:
-        """The prompt `ahead` staged, into batch row r: the current stream waits for its forward (on the GPU, not
-        the host), then copies. Returns its last position's logits `[1, vocab]` as `__call__` does."""
-        if self.staged is None:
+    def load(self, r: int, key=None) -> torch.Tensor:
+        """The prompt `ahead` staged as `key` (None: the first staged), into batch row r: the current stream waits
+        for its forward (on the GPU, not the host), then copies. Returns its last position's logits `[1, vocab]` as
+        `__call__` does. The other staged prompts stay staged."""
+        if not self.staged:
             raise RuntimeError("RowPrefill.load: no prompt was staged with ahead()")
-        w = self.staged[2]
-        self.drop()
-        return self._copy_into(r, w)
+        if key is None:
+            key = next(iter(self.staged))
+        if key not in self.staged:
+            raise KeyError(f"RowPrefill.load: {key!r} was not staged (staged: {list(self.staged)})")
+        j, _, w = self.staged.pop(key)
+        if self.ready is not None:
+            torch.cuda.current_stream().wait_event(self.ready)
+        return self._copy_into(r, j, w)
 
     def drop(self) -> None:
-        """Forget the staged prompt; the current stream waits for its forward, which writes the staging buffers."""
-        if self.staged is not None and self.ready is not None:
+        """Forget the staged prompts; the current stream waits for their forward, which writes the staging buffers."""
+        if self.staged and self.ready is not None:
             torch.cuda.current_stream().wait_event(self.ready)
-        self.staged = None
+        self.staged = {}
 
-    def _forward_at(self, w: int, tokens: torch.Tensor, n: int) -> None:
-        """The staging forward of a prompt of n tokens, `tokens` `[1, w]` (padded; on the device, or pinned host
-        memory copied without a wait), on the current stream."""
-        self.tokens[w].copy_(tokens, non_blocking=True)
-        self.last.fill_(n - 1)
+    def _forward_at(self, w: int, tokens: torch.Tensor | None, lengths: list[int]) -> None:
+        """The staging forward of prompts of `lengths` tokens: `tokens` `[slots, w]` (padded; on the device, or pinned
+        host memory copied without a wait), or None where the caller filled `self.tokens[w]`; on the current
+        stream. Slots past `lengths` keep whatever they held (their rows are computed and never read)."""
+        if tokens is not None:
+            self.tokens[w].copy_(tokens, non_blocking=True)
+        if self.slots == 1:
+            self.last.fill_(lengths[0] - 1)
+        else:  # one upload, no wait (pinned on CUDA, kept by the allocator until copied)
+            last = torch.zeros(self.slots, dtype=torch.long, pin_memory=self.side is not None)
+            last[: len(lengths)] = torch.as_tensor(lengths, dtype=torch.long) - 1
+            self.last.copy_(last, non_blocking=True)
         self._replay(w)
 
-    def _copy_into(self, r: int, w: int) -> torch.Tensor:
-        """The staging caches into batch row r; returns the staged prompt's last-position logits `[1, vocab]`."""
+    def _copy_into(self, r: int, j: int, w: int) -> torch.Tensor:
+        """Staging slot j into batch row r; returns that slot's last-position logits `[1, vocab]` (a view)."""
         self.row.fill_(r)
+        if self.slots > 1:
+            self.slot.fill_(j)
         self._replay("copy")
-        return self.logits[w]
+        return self.logits[w][j : j + 1]
 
     def _buffers(self, n: int) -> int:
         """The width bucket of a prompt of n tokens, its token and logits buffers made on first use."""
         w = self.width(n)
         if w not in self.tokens:
-            self.tokens[w] = torch.zeros(1, w, dtype=torch.long, device=self.row.device)
-            self.logits[w] = torch.zeros(1, self.engine.target.config.get_text_config().vocab_size,
+            self.tokens[w] = torch.zeros(self.slots, w, dtype=torch.long, device=self.row.device)
+            self.logits[w] = torch.zeros(self.slots, self.engine.target.config.get_text_config().vocab_size,
                                          dtype=torch.float32, device=self.row.device)
         return w
 
@@ -207,7 +254,7 @@ class RowPrefill:
                     # what it writes: the staging buffers (forward); the batch's caches (copy-in, every state's)
                     pairs = self._pairs()
                     own = ([self.last, self.tokens[key], self.logits[key]] + [small for _, small in pairs] if forward
-                           else [self.row] + [big for big, _ in pairs])
+                           else [self.row, self.slot] + [big for big, _ in pairs])
                     self.graphs[key] = capture_round(run, own, stream=self.capture_stream if forward else None)
                 except Exception as e:  # noqa: BLE001  (as for rounds: what cannot be captured runs eagerly)
                     # a failed capture is a property of the model, not of the width: stop trying (one warning, no
