@@ -321,3 +321,7 @@ def test_staging_slots_prefill_each_prompt_as_alone():
             torch.testing.assert_close(big3[r, :, :n], big1[r, :, :n], rtol=1e-5, atol=1e-5)
     assert not any(t[1].any() for t in caches(st3))  # row 1 untouched
     assert all(t[[0, 2]].abs().sum() > 0 for t in caches(st3))  # (rows 0 and 2 were written)
+    # one short prompt next (width 128): the slots it leaves unused must not read their last group's positions (139
+    # lies past this width)
+    pf3.ahead(["d"], [prompts[2]])
+    torch.testing.assert_close(pf3.load(1, "d"), got[2], rtol=1e-5, atol=1e-5)

@@ -151,13 +151,9 @@ class RowPrefill:
         for i in range(0, len(items), self.slots):
             group = items[i : i + self.slots]
             w = max(self._buffers(n) for _, _, n in group)
-            if self.slots == 1:
-                (_, tokens, n), = group
-                self._forward_at(w, tokens[:, :w], [n])
-            else:
-                for j, (_, tokens, _) in enumerate(group):
-                    self.tokens[w][j : j + 1].copy_(tokens[:, :w])
-                self._forward_at(w, None, [n for _, _, n in group])
+            for j, (_, tokens, _) in enumerate(group):
+                self.tokens[w][j : j + 1].copy_(tokens[:, :w])
+            self._forward_at(w, None, [n for _, _, n in group])
             for j, (r, _, _) in enumerate(group):
                 last = self._copy_into(r, j, w)
                 out.append(last.clone() if len(items) > 1 else last)
@@ -214,15 +210,12 @@ class RowPrefill:
     def _forward_at(self, w: int, tokens: torch.Tensor | None, lengths: list[int]) -> None:
         """The staging forward of prompts of `lengths` tokens: `tokens` `[slots, w]` (padded; on the device, or pinned
         host memory copied without a wait), or None where the caller filled `self.tokens[w]`; on the current
-        stream. Slots past `lengths` keep whatever they held (their rows are computed and never read)."""
+        stream. Slots past `lengths` keep the tokens they held and read position 0 (their rows are computed and never
+        read; a stale position could lie past this width). Fills, not an upload: nothing waits."""
         if tokens is not None:
             self.tokens[w].copy_(tokens, non_blocking=True)
-        if self.slots == 1:
-            self.last.fill_(lengths[0] - 1)
-        else:  # one upload, no wait (pinned on CUDA, kept by the allocator until copied)
-            last = torch.zeros(self.slots, dtype=torch.long, pin_memory=self.side is not None)
-            last[: len(lengths)] = torch.as_tensor(lengths, dtype=torch.long) - 1
-            self.last.copy_(last, non_blocking=True)
+        for j in range(self.slots):
+            self.last[j : j + 1].fill_(lengths[j] - 1 if j < len(lengths) else 0)
         self._replay(w)
 
     def _copy_into(self, r: int, j: int, w: int) -> torch.Tensor:
