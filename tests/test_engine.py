@@ -13,7 +13,7 @@ from test_sampling import ALPHA, NEW, PROMPT, VOCAB16, _drafter, _pvalues, _targ
 
 from hf_carryover.engine import engine as engine_mod
 from hf_carryover.engine import refill as refill_mod
-from hf_carryover.engine.engine import SpeculativeEngine
+from hf_carryover.engine.engine import SpeculativeEngine, auto_gemv_rows
 from hf_carryover.engine.graphs import restored
 
 
@@ -678,8 +678,23 @@ def test_gemv_rows_generates_one_row_gemms_as_reductions():
         assert mms[0] - mms[1] == rewritten and mms[1] == mms[2] == mms[3]  # the prefill (many rows) keeps its GEMMs
     with pytest.raises(ValueError, match="gemv_rows=1 .*'freezing'"):
         SpeculativeEngine(target, None, max_len=96, compile=True, gemv_rows=1)
+    # "auto" (the default): on only where timed, a CUDA target of hidden size <= 1024 with frozen weights and the
+    # pass's slot free; this CPU target stays off, with or without freezing, and so is not refused
+    for options in ({}, {"freezing": True}):
+        assert SpeculativeEngine(target, None, max_len=96, compile=True, compile_options=options).gemv_rows == 0
+    frozen, cuda = {"freezing": True}, torch.device("cuda", 0)
+    assert auto_gemv_rows(True, cuda, frozen, target.config) == 1
+    assert auto_gemv_rows(True, "cuda", frozen, target.config) == 1
+    assert auto_gemv_rows(False, cuda, frozen, target.config) == 0  # no compile
+    assert auto_gemv_rows(True, cuda, {}, target.config) == 0  # weights not frozen
+    assert auto_gemv_rows(True, cuda, {**frozen, "post_grad_custom_pre_pass": None}, target.config) == 0
+    assert auto_gemv_rows(True, "cpu", frozen, target.config) == 0
+    wide = type(target.config)(**{**target.config.to_dict(), "hidden_size": 2560})  # a 4B target's width
+    assert auto_gemv_rows(True, cuda, frozen, wide) == 0
+    with pytest.raises(ValueError, match="gemv_rows='on': 'auto', or a number of rows"):
+        SpeculativeEngine(target, None, max_len=96, compile=True, gemv_rows="on", compile_options=frozen)
     for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="gemv_rows=.*: a number of rows"):
+        with pytest.raises(ValueError, match="gemv_rows=.*: .auto., or a number of rows"):
             SpeculativeEngine(target, None, max_len=96, compile=True, gemv_rows=bad,
                               compile_options={"freezing": True})
     with pytest.raises(ValueError, match="gemv_fusion=1: True, False or 'norms'"):

@@ -324,6 +324,8 @@ def main():
                             row.update({f"{tag}exact": not mismatches, f"{tag}mismatches": mismatches,
                                         f"{tag}mode": engine.last_mode, f"{tag}graphs": len(engine._graphs),
                                         f"{tag}skipped_drafts": engine.skipped_drafts})
+                            if engine.compile:  # what gemv_rows="auto" (the default) chose for this engine
+                                row[f"{tag}gemv_rows"] = engine.gemv_rows
                             if engine._prefills and engine.compile:  # compiled row prefill: one dynamic-width
                                 # compile, or per width after a failed one (`refill.py`)
                                 row[f"{tag}dynamic_prefill"] = all(pf.dynamic_width
