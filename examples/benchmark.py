@@ -353,6 +353,9 @@ def main():
     p.add_argument("--ar_variant", nargs="+", action="append", default=[], metavar=("TAG", "KEY=VALUE"),
                    help="an engine AR row with its own engine options beside engine_ar, named engine_ar:TAG@b, e.g. "
                    "--ar_variant kernel attention_min_rows=1 (plain steps on the Triton kernel; repeatable)")
+    p.add_argument("--ignore_eos", action="store_true", help="engine rows decode max_new_tokens per prompt, past any "
+                   "EOS, so the caches fill to a known length (e.g. one-row attention timed at 2000 keys in use); "
+                   "only engine rows can (select them with --methods); recorded as ignore_eos")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if args.passes < 1:
@@ -366,7 +369,7 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     target = load_target(args.target, dtype, device)
-    eos = target.generation_config.eos_token_id
+    eos = None if args.ignore_eos else target.generation_config.eos_token_id
     drafters = {}
     if args.random_drafter:
         from hf_carryover import Drafter
@@ -470,12 +473,18 @@ def main():
             return {row, base, re.sub(r"(\d+|all)$", "", base) if "_tree" in base else base}
 
         methods = [m for m in methods if names(m[0]) & set(args.methods)]
+    if args.ignore_eos and any(not n.startswith("engine") for n, _ in methods):
+        # generate() would need a logits processor to go past EOS, which changes what its rows time
+        p.error("--ignore_eos applies to engine rows only; select them with --methods (not: "
+                f"{', '.join(n for n, _ in methods if not n.startswith('engine'))})")
 
     def measure(name, fn, dataset, prompts, **extra):
         # the host's 1-minute load average before and after: a batch-1 engine is launch-bound, so a busy host (a
         # compiling job on another GPU of the machine) slows it; the load beside each row lets a reader tell
         load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         res = {"method": name, "dataset": dataset, "prompts": len(prompts), "temperature": T, **fn(prompts), **extra}
+        if args.ignore_eos:
+            res["ignore_eos"] = True
         if compile_options and name.startswith("engine"):
             res["compile_options"] = compile_options
         if load0 is not None:

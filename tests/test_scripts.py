@@ -174,6 +174,33 @@ def test_benchmark_continuous_rows(tmp_path, monkeypatch, capsys):
         assert line.endswith(f"| {by[m]['tok_per_s'] / by['engine_ar@' + m.split('@')[1]]['tok_per_s']:.2f} | – |")
 
 
+def test_benchmark_ignore_eos_decodes_past_eos_in_engine_rows(tmp_path, monkeypatch, capsys):
+    """--ignore_eos: engine rows decode exactly max_new_tokens per prompt (caches filled to a known length), where
+    the same prompts stop at the tiny target's EOS without it; rows of other methods are refused by name."""
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()  # the tiny target (seeded) reaches its EOS (95) after 6 and 11 tokens from these prompts
+    (prompts / "mtbench.jsonl").write_text("".join(json.dumps({"id": i, "input_ids": q}) + "\n"
+                                                   for i, q in enumerate([[8, 7, 11], [6, 7, 11]])))
+    base = ["--target", "tiny", "--datasets", "mtbench", "--prompts_dir", prompts, "--max_new_tokens", "20",
+            "--batch_sizes", "2"]
+    tokens = {}
+    for flag in ([], ["--ignore_eos"]):
+        out = tmp_path / f"out{len(flag)}"
+        _in_process(monkeypatch, ROOT / "examples" / "benchmark.py", base + ["--methods", "engine_ar", *flag,
+                                                                             "--out", out], tmp_path)
+        (row,) = json.loads((out / "bench.json").read_text())["results"]
+        assert row.get("ignore_eos", False) == bool(flag)
+        tokens[bool(flag)] = row["tokens"]
+    assert tokens == {False: 6 + 11, True: 2 * 20}
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        _in_process(monkeypatch, ROOT / "examples" / "benchmark.py", base + ["--methods", "engine_ar", "hf_eager",
+                                                                             "--ignore_eos", "--out", tmp_path / "x"],
+                    tmp_path)
+    assert "--ignore_eos applies to engine rows only; select them with --methods (not: hf_eager)" in \
+        capsys.readouterr().err
+
+
 def test_benchmark_ar_variants_run_beside_engine_ar(tmp_path, monkeypatch, capsys):
     """--ar_variant TAG KEY=VALUE adds engine_ar:TAG rows on an engine of their own options (plain decoding on two
     settings in one call): same greedy tokens as engine_ar, the options recorded in the variant's row only; a
