@@ -95,11 +95,17 @@ def _is_cuda(device) -> bool:
 MAX_LEN_ALIGN = 64
 
 
+def runs_own_pass(compile, compile_options: dict) -> bool:
+    """Whether the engine's frozen-weight inductor pass (`fuse_projections.py`: merged projections, `gemv_rows`)
+    runs: compiled with `freezing=True`, the pass's slot not set by the caller's options."""
+    return (bool(compile) and bool(compile_options.get("freezing"))
+            and "post_grad_custom_pre_pass" not in compile_options)
+
+
 def auto_gemv_rows(compile, device, compile_options: dict, config) -> int:
     """`gemv_rows="auto"`: 1 (batch-1 plain steps' GEMMs as generated reductions) only where it was timed faster, a
-    CUDA target of hidden size <= 1024 compiled with frozen weights and the inductor pass's slot free; else 0."""
-    return int(bool(compile) and _is_cuda(device) and bool(compile_options.get("freezing"))
-               and "post_grad_custom_pre_pass" not in compile_options
+    CUDA target of hidden size <= 1024 where the engine's own pass runs (`runs_own_pass`); else 0."""
+    return int(runs_own_pass(compile, compile_options) and _is_cuda(device)
                and getattr(config, "hidden_size", 1 << 30) <= 1024)
 
 
@@ -314,8 +320,7 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         self.gemv_rows = gemv_rows
         if not (isinstance(gemv_fusion, bool) or gemv_fusion == "norms"):
             raise ValueError(f"gemv_fusion={gemv_fusion!r}: True, False or 'norms'.")
-        if gemv_rows and not (compile and self.compile_options.get("freezing")
-                              and "post_grad_custom_pre_pass" not in self.compile_options):
+        if gemv_rows and not runs_own_pass(compile, self.compile_options):
             raise ValueError(f"gemv_rows={gemv_rows} rewrites the frozen weights' GEMMs in the engine's own inductor "
                              "pass: it needs compile=True with compile_options={'freezing': True} (and the pass's slot "
                              "left to the engine).")
@@ -325,7 +330,7 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         # (`fuse_projections.py`); `compile_options` that set the slot themselves (None: off) keep their choice
         self.fused_projections = None
         self._inductor_patch = dict(self.compile_options)  # what `_compiled` sets: the options, and the pass
-        if self.compile_options.get("freezing") and "post_grad_custom_pre_pass" not in self.compile_options:
+        if runs_own_pass(compile, self.compile_options):
             self.fused_projections = FuseSharedInputMatmuls(gemv_rows=gemv_rows, gemv_fusion=gemv_fusion)
             self._inductor_patch["post_grad_custom_pre_pass"] = self.fused_projections
         self._compiled_round = self._compiled(self._round) if compile else None
