@@ -246,7 +246,7 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
             engine.generate(c, **kw)
             seen |= new
     engine.timing = dict.fromkeys(engine.timing, 0)  # the profile covers the timed calls only
-    n_tok, secs, acc, modes, looked, skipped, launched = 0, 0.0, [], [], 0, 0, 0
+    n_tok, secs, acc, modes, looked, skipped, launched, on_kernel = 0, 0.0, [], [], 0, 0, 0, 0
     prompt_rounds, prompt_tokens = [], []  # per prompt, in order: what `examples/batch_fill.py` batches anew
     for i, chunk in enumerate(chunks):
         out, dt = _timed(lambda: engine.generate(chunk, seed=i, **kw))
@@ -254,6 +254,7 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
         secs += dt
         acc += [a for rows in engine.rounds for a in rows]
         launched += engine.last_launched
+        on_kernel += engine.kernel_steps or 0  # (attention_one_row_keys: plain steps on the kernel)
         prompt_rounds += [occupied_rounds(rows, o) for rows, o in zip(engine.rounds, out)]
         prompt_tokens += [len(o) for o in out]
         looked += sum(map(sum, engine.lookup_rounds))
@@ -287,6 +288,8 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
     res["attention"] = engine.attention  # the target's attention in the engine's rounds ("auto" resolved)
     if engine.attention == "triton":  # the kernel's settings, min_rows included ("auto": one-row calls on SDPA)
         res["attention_settings"] = dict(engine.attention_settings)
+    if engine.attention_one_row_keys:  # one-row steps on the kernel up to that many keys in use, then on SDPA
+        res.update(attention_one_row_keys=engine.attention_one_row_keys, one_row_kernel_steps=on_kernel)
     settings = getattr(engine, "options", None)
     if settings:  # --engine_options and the drafter spec's engine keys (make_engine): the setting a row timed
         res["engine_options"] = dict(settings)

@@ -53,7 +53,7 @@ def load_target(name, dtype, device):
 ENGINE_KEYS = ("lookup_siblings", "lookup_confidence", "lookup_min_ngram", "attention", "attention_mode",
                "attention_block_n", "attention_warps", "attention_split_n", "attention_block_m", "attention_min_rows",
                "run_ahead", "tree_topk", "drafter_attention", "rope_table", "dynamic_prefill", "prefill_ahead",
-               "gemv_rows", "gemv_fusion")
+               "gemv_rows", "gemv_fusion", "attention_one_row_keys")
 
 
 def load_drafters(specs, dtype, device):

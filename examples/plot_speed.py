@@ -3,6 +3,9 @@
     python examples/plot_speed.py RUN/vllm_call4/bench_raw.jsonl RUN/engine_call5/bench_raw.jsonl \
         --out examples/results/RUN/speed.png [--methods vllm_ar engine_ar engine_tree_lookup hf_static_compile]
 
+`--methods` takes method kinds (`engine_tree_lookup`: every drafter's and tree size's rows) or method names without
+their batch suffix (`engine_tree_lookup31:new`: one drafter's rows, where a run timed several settings).
+
 Reads the rows `examples/benchmark.py` and `examples/bench_vllm.py` append to `bench_raw.jsonl`: with `--passes`, the
 summary row of each method (the median pass; the per-pass rows are skipped). A method measured in two files (e.g.
 engine AR beside vLLM in one call and beside HF static + compile in the next) is drawn from the first file that has it,
@@ -38,7 +41,7 @@ def select_rows(paths, methods=None) -> tuple[list[dict], list[str]]:
         text = Path(path).read_text()
         file_rows = [json.loads(line) for line in text.splitlines() if line.strip()]
         for r in file_rows:
-            if "pass" in r or (methods and kind_of(r["method"]) not in methods):
+            if "pass" in r or (methods and not {kind_of(r["method"]), r["method"].split("@")[0]} & set(methods)):
                 continue
             key = (r["dataset"], r["method"], r.get("temperature", 0.0))
             if key in seen and seen[key] != path:
@@ -73,7 +76,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("raw", nargs="+", help="bench_raw.jsonl files (the first file's row wins for a repeated method)")
     p.add_argument("--out", required=True)
-    p.add_argument("--methods", nargs="*", help="method kinds to draw, e.g. vllm_ar engine_ar engine_tree_lookup")
+    p.add_argument("--methods", nargs="*", help="method kinds to draw, e.g. vllm_ar engine_ar engine_tree_lookup, "
+                   "or methods without the batch suffix, e.g. engine_tree_lookup31:new (one drafter's rows)")
     p.add_argument("--temperature", type=float, default=0.0)
     args = p.parse_args()
 

@@ -401,6 +401,11 @@ def test_plot_speed_draws_summary_rows_first_file_first(tmp_path):
     assert {r["method"]: r["tok_per_s"] for r in rows}["engine_ar@1"] == 650.0
     assert {r["method"] for r in select_rows([a, b], methods=["vllm_ar", "hf_static_compile"])[0]} \
         == {"vllm_ar@1", "hf_static_compile"}
+    trees = tmp_path / "trees.jsonl"  # one drafter setting of several, by its name without the batch suffix
+    trees.write_text(row("engine_tree_lookup31:new@1", 2400.0) + row("engine_tree_lookup31:g16@1", 1600.0))
+    assert {r["method"] for r in select_rows([trees], methods=["engine_tree_lookup31:new"])[0]} \
+        == {"engine_tree_lookup31:new@1"}
+    assert len(select_rows([trees], methods=["engine_tree_lookup"])[0]) == 2
     only_passes = tmp_path / "cut.jsonl"
     only_passes.write_text(row("engine_ar@1", 690.0, **{"pass": 0}))
     with pytest.raises(SystemExit, match="No summary rows"):

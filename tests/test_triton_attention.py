@@ -183,6 +183,57 @@ def test_engine_with_triton_attention_decodes_plain_greedy_text():
     assert out["restored"] == "sdpa"
 
 
+def test_one_row_steps_take_the_kernel_only_up_to_their_keys_in_use():
+    """`attention_one_row_keys=8`: plain steps of rows attending to at most 8 keys run on the kernel, the rest on SDPA.
+    Three prompts (3, 20 and 2 tokens) go through one row (continuous batching), so a refill starts the count again.
+    The text equals plain greedy decoding. Compiled (aot_eager), each choice traces its own round: one-row kernel
+    calls appear while tracing, which a round compiled once on SDPA would not show."""
+    out = _run("""
+        from conftest import build_target
+        from test_engine import _greedy_refs, _prompts
+        from hf_carryover.engine import attention
+        from hf_carryover.engine.engine import SpeculativeEngine
+
+        kernel, sdpa = [], []  # keys seen by the last query row of each one-row call
+        real_kernel, real_sdpa = attention.masked_gqa_attention, attention.gqa_sdpa_attention
+
+        def on_kernel(q, k, v, mask, *a, **kw):
+            if q.shape[2] == 1:
+                kernel.append(int(mask[0, 0, -1].sum()))
+            return real_kernel(q, k, v, mask, *a, **kw)
+
+        def on_sdpa(module, q, k, v, mask, *a, **kw):
+            if q.shape[2] == 1:
+                sdpa.append(int(mask[0, 0, -1].sum()))
+            return real_sdpa(module, q, k, v, mask, *a, **kw)
+
+        attention.masked_gqa_attention, attention.gqa_sdpa_attention = on_kernel, on_sdpa
+        target = build_target("qwen3", num_layers=2)
+        prompts = _prompts(4, (3, 20, 2))
+        refs = _greedy_refs(target, prompts, 10)
+        res = {}
+        eng = SpeculativeEngine(target, None, max_len=64, attention="triton", attention_block_n=16,
+                                attention_one_row_keys=8)
+        res["min_rows"] = eng.attention_settings["min_rows"]
+        res["exact"] = eng.generate(prompts, max_new_tokens=10, batch_size=1) == refs
+        res["kernel"], res["sdpa"], res["kernel_steps"] = sorted(set(kernel)), sorted(set(sdpa)), eng.kernel_steps
+        kernel.clear()
+        comp = SpeculativeEngine(target, None, max_len=64, attention="triton", attention_block_n=16,
+                                 attention_one_row_keys=8, compile="aot_eager")
+        res["compiled_exact"] = comp.generate(prompts[:1], max_new_tokens=10) == refs[:1]
+        res["compiled_traced_kernel"] = len(kernel) > 0
+        print(json.dumps(res))
+    """)
+    assert out["exact"] and out["compiled_exact"], out
+    assert out["min_rows"] == 2  # outside the switch, one-row calls stay on SDPA
+    # prompt 1 (3 tokens): steps attending to 4..8 keys on the kernel, 9..12 on SDPA; prompt 2 (20): all on SDPA;
+    # prompt 3 (2 tokens, after a refill): 3..8 on the kernel again
+    assert out["kernel"] == list(range(3, 9)), out
+    assert out["sdpa"] and min(out["sdpa"]) > 8 and 21 in out["sdpa"], out
+    assert out["kernel_steps"] == 5 + 6, out
+    assert out["compiled_traced_kernel"], out
+
+
 def test_drafter_attention_on_the_kernel_equals_sdpa():
     """The kernel's key bias (the carryover gate) against SDPA with the same bias in an additive mask; a gated
     Carryover drafter's forward with its layers on `DrafterKernel` (cache rotated last) against SDPA; engines with
@@ -305,6 +356,12 @@ def test_triton_attention_option_errors():
         SpeculativeEngine(target, attention="triton", attention_block_m=24)
     with pytest.raises(ValueError, match="attention_min_rows=0: at least 1"):
         SpeculativeEngine(target, attention="triton", attention_min_rows=0)
+    for bad in (0, -5, 1.5, True, "512"):
+        with pytest.raises(ValueError, match="attention_one_row_keys=.*: a number of keys, at least 1"):
+            SpeculativeEngine(target, attention_one_row_keys=bad)
+    for attention in ("sdpa", "auto"):  # "auto" on a CPU target takes SDPA: nothing to switch between
+        with pytest.raises(ValueError, match="attention_one_row_keys=512 switches .* attention is 'sdpa'"):
+            SpeculativeEngine(target, attention=attention, attention_one_row_keys=512)
 
 
 def test_auto_attention_takes_the_kernel_for_half_precision_cuda_targets(monkeypatch):
@@ -323,6 +380,12 @@ def test_auto_attention_takes_the_kernel_for_half_precision_cuda_targets(monkeyp
     assert {k: auto.attention_settings[k] for k in ("mode", "block_m")} == {"mode": "dense", "block_m": 16}
     named = engine_mod.SpeculativeEngine(target, attention="triton")
     assert named.attention_settings["min_rows"] == 1  # the kernel wherever it applies
+    # one-row steps chosen by their keys in use: min_rows 2 outside the switch, off unless asked for
+    assert auto.attention_one_row_keys is None
+    switch = engine_mod.SpeculativeEngine(target, attention="triton", attention_one_row_keys=512)
+    assert switch.attention_one_row_keys == 512 and switch.attention_settings["min_rows"] == 2
+    with pytest.raises(ValueError, match="attention_min_rows=1 puts them all on the kernel"):
+        engine_mod.SpeculativeEngine(target, attention="triton", attention_one_row_keys=512, attention_min_rows=1)
     assert engine_mod.SpeculativeEngine(target, attention="sdpa").attention == "sdpa"  # asked for by name
     monkeypatch.setattr(engine_mod, "triton_available", lambda device: "Triton is not installed")
     assert engine_mod.SpeculativeEngine(target).attention == "sdpa"

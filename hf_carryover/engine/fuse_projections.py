@@ -19,7 +19,9 @@ multiply and a sum over the input width (`x[:, :, None] * W[None] -> sum(1)`), i
 Why: at one row a GEMM is a matrix-vector product that reads 0.1-1 MB and costs about 4 us in cuBLAS, mostly fixed
 cost (12-03c: 122 of them were 0.485 ms of a 1.0 ms plain step). As a reduction, inductor generates the product
 itself and can fuse what surrounds it into the same kernel (a normalisation's scale before it). On the H200 a
-batch-1 plain step of the 135M target took 0.948 ms against 1.040 (examples/results/h200-2026-12-05b). The rewrite
+batch-1 plain step of the 135M target took 0.948 ms against 1.040 (examples/results/h200-2026-12-05b). At 16 and 32
+rows (a tree round's drafter and verify GEMMs) it lost: 2.196 and 5.212 ms a round against 1.475 (h200-2026-12-05g),
+probably because the reduction reads each weight once per row where a GEMM reads it once (not profiled). The rewrite
 keeps a GEMM's arithmetic (fp32 products and sums, one rounding at the end), in another order. `gemv_fusion` (off by
 default) also folds the RMSNorm before such a GEMM into it, and splits a merged gate/up (`_FoldedNorm`,
 `_equal_slices`): fewer kernels, but on an H100 a slower step (0.960 -> 1.034 ms, examples/results/h100-2026-12-05d).

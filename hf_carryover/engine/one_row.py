@@ -1,0 +1,71 @@
+"""Plain decoding steps on the attention kernel at short contexts and on SDPA at long ones
+(`SpeculativeEngine(attention_one_row_keys=N)`).
+
+Why: a plain decoding step has one query row per batch row. SDPA's cost at one row hardly depends on the keys in
+use; the Triton kernel's (`triton_attention.py`) grows with them. On the H200 (`examples/results/h200-2026-12-05g`,
+batch 1, bf16, compiled with frozen weights), one-row steps on the kernel against SDPA were:
+  * 6.8 % faster over 20 MT-Bench answers of up to 256 tokens (about 200 keys in use on average);
+  * even (+0.7 %) over 800 tokens after short ShareGPT prompts (about 460);
+  * 6.3 % slower over 1900 tokens (about 1010).
+So a call can run its steps on the kernel while every row's keys in use are at most N, and on SDPA after that.
+These are two captured (or compiled) variants of the same plain step, and the host picks one before each launch.
+
+The host knows an upper bound on every row's keys in use without reading the device. A plain step adds at most one
+token to a row, so a row that started (prefill or refill) with p prompt tokens L launches ago attends to at most
+p + L + 1 keys in its next step. Both variants compute the same attention, so the choice changes speed, never the
+output. A bound that is too high only keeps a step on SDPA.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from .attention import TRITON_SETTINGS
+
+
+class OneRowSwitch:
+    """Counts launched plain steps and each row's start, and says whether the next step goes to the kernel."""
+
+    def __init__(self, max_keys: int, prompt_lengths: list[int]):
+        self.max_keys = max_keys
+        self.launched = 0
+        # per row: (prompt tokens, launches before its start), or None for a row with nothing to decode
+        self.rows: list[tuple[int, int] | None] = [(n, 0) for n in prompt_lengths]
+        self.kernel_steps = 0  # steps launched on the kernel this call (the rest went to SDPA)
+
+    def start(self, row: int, prompt_length: int) -> None:
+        """A row refilled with a prompt of `prompt_length` tokens (continuous batching)."""
+        self.rows[row] = (prompt_length, self.launched)
+
+    def stop(self, row: int) -> None:
+        """A row whose output was read out: its keys no longer count until it is refilled."""
+        self.rows[row] = None
+
+    def keys_bound(self) -> int:
+        """The most keys any row can attend to in the next step."""
+        return max((p + self.launched - at + 1 for p, at in filter(None, self.rows)), default=0)
+
+    def next_on_kernel(self) -> bool:
+        """Whether the step about to be launched runs its attention on the kernel; counts it as launched."""
+        on = self.keys_bound() <= self.max_keys
+        self.launched += 1
+        self.kernel_steps += on
+        return on
+
+
+@contextmanager
+def one_row_kernel(on: bool):
+    """The body traces, captures or runs one-row attention calls on the kernel (`on`) or on SDPA.
+
+    The attention function reads `TRITON_SETTINGS["min_rows"]` at each call (eagerly) or when it is traced
+    (compiled; torch.compile guards on it, so each value gets its own compiled round). The engine's decoding call has
+    already set its own settings, and they are restored afterwards."""
+    before = TRITON_SETTINGS["min_rows"]
+    TRITON_SETTINGS["min_rows"] = 1 if on else max(before, 2)
+    try:
+        yield
+    finally:
+        TRITON_SETTINGS["min_rows"] = before
+
+
+__all__ = ["OneRowSwitch", "one_row_kernel"]
