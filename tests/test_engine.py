@@ -11,6 +11,7 @@ from conftest import build_drafter, build_target
 from test_offline_tau import overfit
 from test_sampling import ALPHA, NEW, PROMPT, VOCAB16, _drafter, _pvalues, _target
 
+from hf_carryover.engine import capture as capture_mod
 from hf_carryover.engine import engine as engine_mod
 from hf_carryover.engine import refill as refill_mod
 from hf_carryover.engine.engine import SpeculativeEngine, auto_gemv_rows
@@ -302,7 +303,7 @@ def test_graph_path_plumbing_with_eager_stand_in(monkeypatch, typ):
     one. Each call starts through a captured start too (`SpeculativeEngine._start`), once per state."""
     monkeypatch.setattr(engine_mod, "_is_cuda", lambda dev: True)
     captured, prefills = [], []
-    monkeypatch.setattr(engine_mod, "capture_round", _fake_capture(captured))
+    monkeypatch.setattr(capture_mod, "capture_round", _fake_capture(captured))
     monkeypatch.setattr(refill_mod, "capture_round", _fake_capture(prefills))
     target = build_target("llama", seed=5)
     drafter = build_drafter(target, typ, True) if typ else None
@@ -381,7 +382,7 @@ def test_failed_capture_falls_back_to_eager_with_one_warning(monkeypatch):
             round_fn()  # a warm-up round ran before capture failed: it must leave no trace
             raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(engine_mod, "capture_round", broken)
+    monkeypatch.setattr(capture_mod, "capture_round", broken)
     monkeypatch.setattr(refill_mod, "capture_round", broken)  # the row prefill captures too (one graph per width)
     target = build_target("llama")
     drafter = build_drafter(target, "markov", True)

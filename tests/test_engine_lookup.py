@@ -14,6 +14,7 @@ from test_context_lookup import PROMPT_LOOP
 from test_engine import _greedy_refs, _trained_setup
 from test_sampling import ALPHA, NEW, PURE, _drafter, _pvalues, _target
 
+from hf_carryover.engine import capture as capture_mod
 from hf_carryover.engine import engine as engine_mod
 from hf_carryover.engine import linear_round
 from hf_carryover.engine import refill as refill_mod
@@ -183,7 +184,7 @@ def test_engine_lookup_compiled_and_graph_plumbing(monkeypatch):
 
     monkeypatch.setattr(engine_mod, "_is_cuda", lambda dev: True)
     captured = []
-    monkeypatch.setattr(engine_mod, "capture_round", _fake_capture(captured))
+    monkeypatch.setattr(capture_mod, "capture_round", _fake_capture(captured))
     monkeypatch.setattr(refill_mod, "capture_round", _fake_capture([]))  # the row prefill's graphs: stand-ins too
     graphed = SpeculativeEngine(target, drafter, max_len=340, cuda_graphs=True)
     plain = graphed.generate(prompts, max_new_tokens=20)

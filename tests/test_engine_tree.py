@@ -14,6 +14,7 @@ from test_engine import _greedy_refs, _prompts, _trained_setup
 from test_context_lookup import PROMPT_LOOP
 from test_sampling import ALPHA, NEW, PROMPT, PURE, _drafter, _pvalues, _target
 
+from hf_carryover.engine import capture as capture_mod
 from hf_carryover.engine import engine as engine_mod
 from hf_carryover.engine import refill as refill_mod
 from hf_carryover.engine.engine import DecodeState, SpeculativeEngine
@@ -470,7 +471,7 @@ def test_sampled_tree_rounds_compiled_and_captured_equal_eager(monkeypatch):
     assert fast.generate(prompts, **kw) == ref and fast.rounds == eager.rounds
     monkeypatch.setattr(engine_mod, "_is_cuda", lambda dev: True)
     captured = []
-    monkeypatch.setattr(engine_mod, "capture_round", _fake_capture(captured))
+    monkeypatch.setattr(capture_mod, "capture_round", _fake_capture(captured))
     monkeypatch.setattr(refill_mod, "capture_round", _fake_capture([]))  # the row prefill's graphs: stand-ins too
     graphed = SpeculativeEngine(target, drafter, max_len=96, cuda_graphs=True)
     assert graphed.generate(prompts, **kw) == ref and graphed.rounds == eager.rounds

@@ -234,6 +234,61 @@ def test_one_row_steps_take_the_kernel_only_up_to_their_keys_in_use():
     assert out["compiled_traced_kernel"], out
 
 
+def test_one_row_switch_replays_the_graph_captured_for_each_choice(monkeypatch):
+    """The captured path of `attention_one_row_keys` on CPU, with stand-ins: a "graph" replays its round under the
+    one-row setting it was captured with (as a CUDA graph keeps the kernels it recorded), and the kernel is SDPA that
+    records its calls. Two graphs of the plain step are captured, one per choice, and each step replays the one its
+    keys in use ask for; the text equals plain greedy decoding."""
+    import torch.nn.functional as F
+
+    from test_engine import _greedy_refs, _prompts
+
+    from hf_carryover.engine import attention, capture as capture_mod, engine as engine_mod, refill as refill_mod
+    from hf_carryover.engine import triton_attention
+    from hf_carryover.engine.graphs import restored
+
+    captured_rows = []  # TRITON_SETTINGS["min_rows"] of each captured round
+
+    def capture(round_fn, tensors, warmup=3, stream=None):
+        rows = attention.TRITON_SETTINGS["min_rows"]
+        with restored(tensors):
+            round_fn()
+        captured_rows.append(rows)
+
+        def replay():  # under the setting it was captured with, whatever the host's settings are now
+            before = attention.TRITON_SETTINGS["min_rows"]
+            attention.TRITON_SETTINGS["min_rows"] = rows
+            try:
+                round_fn()
+            finally:
+                attention.TRITON_SETTINGS["min_rows"] = before
+        return type("Graph", (), {"replay": staticmethod(replay)})()
+
+    seen = []  # keys seen by one-row kernel calls
+
+    def kernel(q, k, v, mask, scale, *a, **kw):
+        if q.shape[2] == 1:
+            seen.append(int(mask[0, 0, -1].sum()))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True).transpose(1, 2)
+
+    monkeypatch.setattr(engine_mod, "_is_cuda", lambda device: True)
+    monkeypatch.setattr(engine_mod, "triton_available", lambda device: None)
+    monkeypatch.setattr(triton_attention, "available", lambda device: None)  # (the kernel's input check asks too)
+    monkeypatch.setattr(capture_mod, "capture_round", capture)
+    monkeypatch.setattr(refill_mod, "capture_round", capture)
+    monkeypatch.setattr(attention, "masked_gqa_attention", kernel)
+    target = build_target("qwen3", num_layers=2)
+    prompts = _prompts(4, (3, 20, 2))
+    refs = _greedy_refs(target, prompts, 10)
+    eng = engine_mod.SpeculativeEngine(target, None, max_len=64, cuda_graphs=True, attention="triton",
+                                       attention_block_n=16, attention_one_row_keys=8)
+    assert eng.generate(prompts, max_new_tokens=10, batch_size=1) == refs
+    rounds = [k for k, g in eng._graphs.items() if k[0] not in ("start", "restart")]
+    assert sorted(k[-1] for k in rounds) == [1, 2]  # the plain step on the kernel and on SDPA, one graph each
+    assert sorted(set(seen)) == list(range(3, 9)) and eng.kernel_steps == 5 + 6
+    assert 1 in captured_rows and attention.TRITON_SETTINGS["min_rows"] == 1  # the module's default, restored
+
+
 def test_drafter_attention_on_the_kernel_equals_sdpa():
     """The kernel's key bias (the carryover gate) against SDPA with the same bias in an additive mask; a gated
     Carryover drafter's forward with its layers on `DrafterKernel` (cache rotated last) against SDPA; engines with

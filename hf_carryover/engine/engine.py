@@ -27,8 +27,9 @@ Continuous batching (`generate(..., batch_size=b)`): more prompts than rows; the
 round's one read, and a finished row is read out and refilled with the next prompt (`refill.py`) between rounds.
 Beside this file: the linear round itself (`linear_round.py`), the static state a round works on (`state.py`),
 draft-tree rounds (`tree_round.py`, on `tree.py`'s pieces), phase timing for the latency model (`timing.py`),
-capture (`graphs.py`), torch.compile's settings (`compiling.py`), the caches (`static_cache.py`) and the target's
-attention while decoding (`attention.py`).
+capture (`graphs.py`; which round runs compiled or replayed, per shape: `capture.py`), torch.compile's settings
+(`compiling.py`), the caches (`static_cache.py`), the target's attention while decoding (`attention.py`) and the
+choice between kernel and SDPA for plain steps by their keys in use (`one_row.py`).
 """
 
 from __future__ import annotations
@@ -36,22 +37,21 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import warnings
 
 import torch
 
 from ..generation_carryover import eos_tensor
-from .attention import (TRITON_ATTENTION, TRITON_SETTINGS, check_attention, drafter_kernel, engine_attention,
-                        use_drafter_kernel)
-from .compiling import check_inductor_options, compile_round
+from .attention import TRITON_ATTENTION, check_attention, drafter_kernel, engine_attention, use_drafter_kernel
+from .capture import CapturedRounds
+from .compiling import check_inductor_options
 from .triton_attention import available as triton_available
 from .triton_attention import check_settings as check_triton_settings
 from .fuse_projections import FuseSharedInputMatmuls
-from .graphs import capture_round, install_output_hooks, run_ahead
+from .graphs import install_output_hooks, run_ahead
 from .inputs import check_decoding, prompt_lists
 from .linear_round import LinearRounds
 from .one_row import OneRowSwitch, one_row_kernel
-from .refill import ReadOut, RowPrefill
+from .refill import ReadOut
 from .rope_table import build_rope_tables, use_rope_tables
 from .sampling import inverse_cdf, point_mass, running_mass
 from .state import DecodeState
@@ -111,7 +111,7 @@ def auto_gemv_rows(compile, device, compile_options: dict, config) -> int:
                and getattr(config, "hidden_size", 1 << 30) <= 1024)
 
 
-class SpeculativeEngine(LinearRounds, TreeRounds):
+class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
     def __init__(self, target, drafter=None, max_len: int = 2048, profile: bool = False, cuda_graphs: bool = False,
                  compile: bool | str = False, lookup_skips_drafter: bool = True, compile_options: dict | None = None,
                  lookup_siblings: bool = True, lookup_confidence: float | None = None, lookup_min_ngram: int = 3,
@@ -639,82 +639,10 @@ class SpeculativeEngine(LinearRounds, TreeRounds):
         if lookup:
             st.flags[1] = self._lookup_next(st, lookup)
 
-    def _start(self, st: DecodeState, lookup: int, use_graphs: bool, rows: bool = False) -> None:
-        """`_begin`, as a graph captured once per state, lookup and `rows` where the rounds are captured. Why: eagerly
-        it is 136 small ops at batch 1 with a tree and lookup (`examples/host_overhead.py`), each a host-side launch:
-        about 7 ms a call on the H200's host (`h200-2026-12-02f`), a tenth of a batch-1 tree call."""
-        begin = functools.partial(self._begin, st, lookup, rows)
-        graph = None
-        if use_graphs:
-            graph = self._capture_once(("restart" if rows else "start", id(st), lookup), st, lambda: begin,
-                                       "CUDA-graph capture of a call's start failed; starting eagerly")
-        if graph is not None and not isinstance(graph, str):
-            graph.replay()
-        else:
-            begin()
-
-    def _row_prefill(self, st: DecodeState, b: int, use_graphs: bool) -> RowPrefill:
-        """The row prefill of batch b (staging caches for `prefill_ahead` prompts, 1 where it is a bool; one graph per
-        prompt-width bucket), made once per setting."""
-        slots = 1 if isinstance(self.prefill_ahead, bool) else self.prefill_ahead
-        key = (b, use_graphs, slots)
-        if key not in self._prefills:
-            self._prefills[key] = RowPrefill(self, st, use_graphs=use_graphs, slots=slots)
-        return self._prefills[key]
-
-    def _compiled(self, fn, dynamic: bool | None = False):
-        """`fn` through torch.compile with this engine's backend and inductor options (`compiling.compile_round`)."""
-        return compile_round(fn, self._compile_backend, self.compile_options, self._inductor_patch, dynamic)
-
-    def _round_fn(self, do_sample, tree=None):
-        """The compiled round where it applies (greedy or sampled; not when profiling: the clock's syncs would split
-        the graph). `do_sample` is a Python bool, so greedy and sampled rounds compile separately."""
-        if tree is not None:
-            if self.compile and not self.profile:
-                if self._compiled_tree_round is None:
-                    self._compiled_tree_round = self._compiled(self._tree_round)
-                return self._compiled_tree_round
-            return self._tree_round
-        if self._compiled_round is not None and not self.profile:
-            return self._compiled_round
-        return self._round
-
-    def _graph(self, st: DecodeState, dev, do_sample, lookup=0, draft=True, tree=None, nodes=None):
-        """(captured round or None, mode string). Captures on the first call for this shape; a failed capture is
-        remembered (and warned about once), and that shape then decodes eagerly, never with a broken graph."""
-        if not self.cuda_graphs:
-            return None, "eager"
-        if not _is_cuda(dev):
-            return None, "eager (no CUDA)"
-        if self.profile:  # phase timing needs syncs inside the round
-            return None, "eager (profile)"
-        shape = None if tree is None else (tuple(tree.paths), nodes)
-        # (the one-row attention setting too: `one_row.py` captures a plain step on the kernel beside the one on SDPA)
-        key = (st.b, st.k, st.cap, st.eos.numel(), do_sample, lookup, draft, shape, TRITON_SETTINGS["min_rows"])
-        if key not in self._graphs and bool(st.done.all()):  # nothing to decode: do not capture on a finished state
-            return None, "eager (nothing to decode)"
-
-        def make():  # the round to capture (made on a capture only)
-            step = self._round_fn(do_sample, tree)
-            return (lambda: step(st, tree, lookup, nodes, do_sample)) if tree is not None else (
-                lambda: step(st, do_sample, None, lookup, draft))
-        entry = self._capture_once(key, st, make, f"CUDA-graph capture failed for batch {st.b}; decoding eagerly")
-        if isinstance(entry, str):
-            return None, f"eager (capture failed: {entry})"
-        return entry, "cuda_graph+compile" if self.compile else "cuda_graph"
-
-    def _capture_once(self, key, st: DecodeState, make, failure: str):
-        """The CUDA graph of `key` (a round shape, or a call's start), captured on its first use from the function
-        `make()` returns, which reads and writes `st` and its caches; or, where that capture raised, the error's text:
-        remembered, so the key runs eagerly from then on (never with a broken graph), and warned about once
-        ("`failure`: error")."""
-        if key not in self._graphs:
-            try:
-                self._graphs[key] = capture_round(make(), st.tensors())
-            except Exception as e:  # noqa: BLE001  (any capture error: run eagerly instead)
-                self._graphs[key] = f"{type(e).__name__}: {e}"
-                warnings.warn(f"{failure}: {self._graphs[key]}", stacklevel=3)
-        return self._graphs[key]
+    @staticmethod
+    def _on_cuda(device) -> bool:
+        """Whether `device` is a CUDA device, by this module's `_is_cuda` (tests pretend one by patching that)."""
+        return _is_cuda(device)
 
     @property
     def tau(self) -> float:
