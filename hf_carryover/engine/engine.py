@@ -533,8 +533,9 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
 
         def refill(rows):  # continuous batching: the rows' next prompts staged, each prefilled into its row
             st.stage_rows(rows, [prompts[slot[r]] for r in rows])  # (`refill.py`), then all restarted at once
-            for r in rows if switch is not None else ():
-                switch.start(r, len(prompts[slot[r]]))
+            if switch is not None:
+                for r in rows:
+                    switch.start(r, len(prompts[slot[r]]))
             # rows whose prompt was prefilled ahead take it; the others are prefilled now (after those copy-ins, which
             # read the staging caches that this forward rewrites; their logits copied first, for the same reason)
             last = {r: prefill.load(r, slot[r]) for r in rows if slot[r] in prefill.staged}
@@ -571,8 +572,8 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
         graphs, modes = {}, {}
         for draft in (True, False) if skip_ok else (True,):
             graphs[draft], modes[draft] = self._graph(st, dev, do_sample, lookup, draft, tree, tree_nodes)
-        if switch is not None and min(len(p) for p in prompts) < switch.max_keys:  # some step can take the kernel
-            with one_row_kernel(True):
+        if switch is not None and switch.can_start_on_kernel([len(p) for p in prompts]):
+            with one_row_kernel():
                 graphs["kernel"], _ = self._graph(st, dev, do_sample)
         self.last_mode = modes[True]
         if n > b:  # continuous batching: the row prefill, with graphs when the rounds have them
@@ -595,7 +596,7 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
             elif tree is not None:
                 step(st, tree, lookup, tree_nodes, do_sample)
             else:
-                with one_row_kernel(kernel) if switch is not None else contextlib.nullcontext():
+                with one_row_kernel() if kernel else contextlib.nullcontext():
                     step(st, do_sample, clock, lookup, draft)
             if self.round_hook is not None:
                 self.round_hook(st)

@@ -52,16 +52,21 @@ class OneRowSwitch:
         self.kernel_steps += on
         return on
 
+    def can_start_on_kernel(self, prompt_lengths: list[int]) -> bool:
+        """Whether a row starting on one of these prompts takes the kernel for its first step (the bound's rule at
+        no launches): where none can, the call needs no kernel variant."""
+        return min(prompt_lengths) + 1 <= self.max_keys
+
 
 @contextmanager
-def one_row_kernel(on: bool):
-    """The body traces, captures or runs one-row attention calls on the kernel (`on`) or on SDPA.
+def one_row_kernel():
+    """The body traces, captures or runs one-row attention calls on the kernel.
 
     The attention function reads `TRITON_SETTINGS["min_rows"]` at each call (eagerly) or when it is traced
-    (compiled; torch.compile guards on it, so each value gets its own compiled round). The engine's decoding call has
-    already set its own settings, and they are restored afterwards."""
+    (compiled; torch.compile guards on it, so each value gets its own compiled round). Outside the body the engine's
+    own setting holds, which `attention_one_row_keys` leaves at 2 or more (SDPA for one-row calls)."""
     before = TRITON_SETTINGS["min_rows"]
-    TRITON_SETTINGS["min_rows"] = 1 if on else max(before, 2)
+    TRITON_SETTINGS["min_rows"] = 1
     try:
         yield
     finally:
