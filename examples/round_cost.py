@@ -12,12 +12,19 @@ idle in a static batch while its slowest row decodes) and a factor of what one r
 
     python examples/round_cost.py examples/results/h200-2026-12-04d/engine_call4/bench_raw.jsonl \
         --pair "engine_tree_lookup31:new@1:engine_tree_lookup31:scan@1"
+
+With --prompts_dir (the prompt files the rows decoded, `assets/prompts`), plain decoding rows also get the keys their
+steps attended to: a prompt of p tokens whose output has n tokens took n - 1 steps (its first token came from the
+prefill), step i attending to p + i keys. Why: one-row attention on the Triton kernel costs more per key than SDPA
+(`hf_carryover/engine/one_row.py`), so a plain row's speed depends on how long its contexts were.
 """
 
 import argparse
 import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # evaluate_tau (--prompts_dir)
 
 
 def load_rows(paths):
@@ -35,6 +42,33 @@ def load_rows(paths):
             rows.append({**r, "file": i, "verifications": verifications,
                          "ms_per_verification": 1000.0 * r["seconds"] / verifications})
     return rows
+
+
+def keys_in_use(prompt_lengths: list[int], output_lengths: list[int]) -> tuple[float, int]:
+    """(mean over all steps, max) of the keys a plain decoding step attended to, for prompts of `prompt_lengths`
+    tokens that produced `output_lengths` tokens each (in the same order): step i of a prompt of p tokens, i = 1 ..
+    n - 1, attends to p + i keys."""
+    steps = sum(n - 1 for n in output_lengths)
+    if len(prompt_lengths) != len(output_lengths) or steps < 1:
+        raise ValueError(f"{len(prompt_lengths)} prompt lengths for {len(output_lengths)} outputs ({steps} steps)")
+    total = sum((n - 1) * p + n * (n - 1) // 2 for p, n in zip(prompt_lengths, output_lengths))
+    return total / steps, max(p + n - 1 for p, n in zip(prompt_lengths, output_lengths))
+
+
+def keys_table(rows, prompts_dir) -> str:
+    """Keys in use of the plain decoding rows that record each prompt's output length (`prompt_tokens`), against the
+    first prompts of their dataset in `prompts_dir` (the prompts `benchmark.py --limit` took, in order)."""
+    from evaluate_tau import load_prompts
+
+    lines = ["| file | dataset | method | steps' mean keys in use | max |", "|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("tau") or not isinstance(r.get("prompt_tokens"), list):
+            continue
+        outputs = r["prompt_tokens"]
+        lengths = [len(x["input_ids"]) for x in load_prompts(prompts_dir, r["dataset"], len(outputs))]
+        mean, top = keys_in_use(lengths, outputs)
+        lines.append(f"| {r['file']} | {r['dataset']} | {r['method']} | {mean:.0f} | {top} |")
+    return "\n" + "\n".join(lines) + "\n"
 
 
 def split_ratio(a: dict, b: dict) -> dict:
@@ -103,13 +137,16 @@ def main(argv=None):
     p.add_argument("raw", nargs="+", help="bench_raw.jsonl files")
     p.add_argument("--pair", action="append", default=[], help="A:B, two methods to split the speed ratio of, per "
                    "dataset, file and pass (rows of one file only)")
+    p.add_argument("--prompts_dir", help="the prompt files the rows decoded (assets/prompts): plain decoding rows "
+                   "also get their steps' keys in use")
     p.add_argument("--out", help="also write the table here")
     args = p.parse_args(argv)
     try:
         pairs = [parse_pair(x) for x in args.pair]
     except ValueError as e:
         p.error(str(e))
-    return emit(table(load_rows(args.raw), pairs), args.out)
+    rows = load_rows(args.raw)
+    return emit(table(rows, pairs) + (keys_table(rows, args.prompts_dir) if args.prompts_dir else ""), args.out)
 
 
 if __name__ == "__main__":

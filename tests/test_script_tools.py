@@ -592,6 +592,30 @@ def test_round_cost_splits_a_speed_ratio_into_tau_and_round_cost(tmp_path):
     assert (tmp_path / "t.md").read_text() == text
 
 
+def test_round_cost_counts_the_keys_plain_steps_attended_to(tmp_path):
+    """round_cost.py --prompts_dir: a prompt of p tokens with an output of n tokens took n - 1 plain steps (the first
+    token came from the prefill), step i attending to p + i keys; rows with τ (speculative) are left out."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import round_cost
+
+    # prompts of 3 and 10 tokens, outputs of 4 and 2 tokens: steps attend to 4, 5, 6 and 11 keys
+    assert round_cost.keys_in_use([3, 10], [4, 2]) == (pytest.approx(26 / 4), 11)
+    with pytest.raises(ValueError, match="2 prompt lengths for 1 outputs"):
+        round_cost.keys_in_use([3, 10], [4])
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    (prompts / "d.jsonl").write_text("".join(json.dumps({"input_ids": [1] * n}) + "\n" for n in (3, 10, 7)))
+    rows = [{"method": "engine_ar@1", "dataset": "d", "tokens": 6, "seconds": 1.0, "tok_per_s": 6.0, "tau": None,
+             "prompt_tokens": [4, 2]},
+            {"method": "engine_tree_lookup31:new@1", "dataset": "d", "tokens": 6, "seconds": 0.5, "tok_per_s": 12.0,
+             "tau": 2.0, "prompt_tokens": [4, 2]}]
+    raw = tmp_path / "bench_raw.jsonl"
+    raw.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = round_cost.main([str(raw), "--prompts_dir", str(prompts)])
+    assert "| 0 | d | engine_ar@1 | 6 | 11 |" in text  # 6.5 keys on average (printed rounded), 11 at most
+    assert text.count("engine_tree_lookup31:new@1") == 1  # in the cost table only
+
+
 def test_round_cost_splits_a_batch_ratio_into_tokens_a_row_round_fill_and_round_cost(tmp_path):
     """Batch rows with launched rounds (`benchmark.run_engine`): the speed ratio is exactly the product of the tokens
     a row round factor, the fill factor and the launched-round factor."""
