@@ -287,6 +287,11 @@ def test_one_row_switch_replays_the_graph_captured_for_each_choice(monkeypatch):
     assert sorted(k[-1] for k in rounds) == [1, 2]  # the plain step on the kernel and on SDPA, one graph each
     assert sorted(set(seen)) == list(range(3, 9)) and eng.kernel_steps == 5 + 6
     assert 1 in captured_rows and attention.TRITON_SETTINGS["min_rows"] == 1  # the module's default, restored
+    eng.one_row_batch1_only = True  # as under "auto": a call of two rows keeps its one-row steps on SDPA
+    seen.clear()
+    assert eng.generate(prompts, max_new_tokens=10, batch_size=2) == refs
+    assert seen == [] and eng.kernel_steps is None
+    assert eng.generate(prompts, max_new_tokens=10, batch_size=1) == refs and eng.kernel_steps == 5 + 6
 
 
 def test_drafter_attention_on_the_kernel_equals_sdpa():
@@ -428,17 +433,23 @@ def test_auto_attention_takes_the_kernel_for_half_precision_cuda_targets(monkeyp
     target = build_target("qwen3", num_layers=2)
     monkeypatch.setattr(engine_mod, "_is_cuda", lambda device: True)  # no GPU here: pretend the target is on CUDA
     monkeypatch.setattr(engine_mod, "triton_available", lambda device: None)
-    assert engine_mod.SpeculativeEngine(target).attention == "sdpa"  # fp32
+    fp32 = engine_mod.SpeculativeEngine(target)
+    assert fp32.attention == "sdpa" and fp32.one_row_keys(1) is None  # fp32: SDPA, nothing to switch to
     auto = engine_mod.SpeculativeEngine(target.to(torch.bfloat16))
     assert auto.attention == "triton" and auto.attention_settings["min_rows"] == 2  # one-row steps on SDPA
     # the settings measured fastest at a tree round's 47 rows (h200-2026-12-04d)
     assert {k: auto.attention_settings[k] for k in ("mode", "block_m")} == {"mode": "dense", "block_m": 16}
     named = engine_mod.SpeculativeEngine(target, attention="triton")
     assert named.attention_settings["min_rows"] == 1  # the kernel wherever it applies
-    # one-row steps chosen by their keys in use: min_rows 2 outside the switch, off unless asked for
-    assert auto.attention_one_row_keys is None
+    # one-row steps chosen by their keys in use: min_rows 2 outside the switch; "auto" switches at 512 keys in
+    # calls of one row, and only where nothing asked otherwise
+    assert (auto.one_row_keys(1), auto.one_row_keys(2)) == (512, None)
+    assert named.one_row_keys(1) is None  # "triton" by name: every one-row step on the kernel
+    assert engine_mod.SpeculativeEngine(target, attention_min_rows=2).one_row_keys(1) is None
+    off = engine_mod.SpeculativeEngine(target, attention_one_row_keys=None)
+    assert off.one_row_keys(1) is None and off.attention_settings["min_rows"] == 2
     switch = engine_mod.SpeculativeEngine(target, attention="triton", attention_one_row_keys=512)
-    assert switch.attention_one_row_keys == 512 and switch.attention_settings["min_rows"] == 2
+    assert switch.one_row_keys(8) == 512 and switch.attention_settings["min_rows"] == 2  # a number: every batch
     with pytest.raises(ValueError, match="attention_min_rows=1 puts them all on the kernel"):
         engine_mod.SpeculativeEngine(target, attention="triton", attention_one_row_keys=512, attention_min_rows=1)
     assert engine_mod.SpeculativeEngine(target, attention="sdpa").attention == "sdpa"  # asked for by name

@@ -50,7 +50,7 @@ from .fuse_projections import FuseSharedInputMatmuls
 from .graphs import install_output_hooks, run_ahead
 from .inputs import check_decoding, prompt_lists
 from .linear_round import LinearRounds
-from .one_row import OneRowSwitch, one_row_kernel
+from .one_row import OneRowSwitch, one_row_kernel, resolve_keys
 from .refill import ReadOut
 from .rope_table import build_rope_tables, use_rope_tables
 from .sampling import inverse_cdf, point_mass, running_mass
@@ -117,7 +117,7 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
                  lookup_siblings: bool = True, lookup_confidence: float | None = None, lookup_min_ngram: int = 3,
                  attention: str = "auto", attention_mode: str = "dense", attention_block_n: int = 128,
                  attention_warps: int = 4, attention_split_n: int = 256, attention_min_rows: int | None = None,
-                 attention_block_m: int = 16, attention_one_row_keys: int | None = None,
+                 attention_block_m: int = 16, attention_one_row_keys: int | str | None = "auto",
                  run_ahead: bool = True, tree_topk: str = "torch", drafter_attention: str = "auto",
                  rope_table: bool | str = "auto", dynamic_prefill: bool = True, prefill_ahead: bool | int = True,
                  gemv_rows: int | str = "auto", gemv_fusion: bool | str = False):
@@ -190,13 +190,14 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
         stay on SDPA, whose cost at one row hardly depends on the cache, while the kernel's grows with the keys in use;
         at the benchmarks' short contexts the kernel for one-row steps (attention_min_rows=1) was faster end to end
         (4-5 % in `h200-2026-12-04e`, 6.8 % with gemv_rows=1 in `h200-2026-12-05g`, 5.2 % on an H100), but over 1900
-        tokens decoded after short prompts it was 6.3 % slower (12-05g), so one-row steps stay on SDPA by default.
-        attention="triton" sets 1.
-        `attention_one_row_keys=N` (None: off): one-row steps run on the kernel while every row attends to at most N
-        keys, and on SDPA after that (`one_row.py`: two variants of the plain step, chosen by the host from a bound it
-        counts itself, no device read). It needs the kernel (attention "triton", or "auto" taking it) and leaves
-        `attention_min_rows` at 2. In 12-05g the kernel and SDPA were even at about 460 keys in use on average.
-        Not yet timed end to end, so it is opt-in.
+        tokens decoded after short prompts it was 6.3 % slower (12-05g), so by default one-row steps are chosen by
+        their keys in use (next). attention="triton" sets 1.
+        `attention_one_row_keys=N`: one-row steps run on the kernel while every row attends to at most N keys, and
+        on SDPA after that (`one_row.py`: two variants of the plain step, chosen by the host from a bound it counts
+        itself, no device read). It needs the kernel (attention "triton", or "auto" taking it) and leaves
+        `attention_min_rows` at 2. "auto" (the default) sets 512 for calls of one row where attention "auto" took the
+        kernel and `attention_min_rows` is unset, else off (None): batch-1 plain decoding was 4.1-5.4 % faster at
+        200-250 keys in use and 0.5 % slower at about 1010 on an H100 (`h100-2026-12-05h`).
         SDPA at one row (cuDNN) is not run-to-run deterministic in bf16 on the H200 (12-03d's
         `pass_determinism.txt`); attention="triton" gives reproducible bf16 plain decoding.
 
@@ -285,19 +286,9 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
             attention = ("triton" if half and _is_cuda(target.device) and triton_available(target.device) is None
                          else "sdpa")
         self.attention = attention
-        if attention_one_row_keys is not None:
-            if isinstance(attention_one_row_keys, bool) or not isinstance(attention_one_row_keys, int) \
-                    or attention_one_row_keys < 1:
-                raise ValueError(f"attention_one_row_keys={attention_one_row_keys!r}: a number of keys, at least 1 "
-                                 "(None: off).")
-            if attention != "triton":
-                raise ValueError(f"attention_one_row_keys={attention_one_row_keys} switches one-row steps between the "
-                                 f"Triton kernel and SDPA, but this engine's attention is {attention!r} ('auto' takes "
-                                 "the kernel for bf16/fp16 CUDA targets with Triton installed)")
-            if attention_min_rows is not None and int(attention_min_rows) < 2:
-                raise ValueError(f"attention_one_row_keys={attention_one_row_keys} chooses the attention of one-row "
-                                 f"steps by their keys in use; attention_min_rows={attention_min_rows} puts them all "
-                                 "on the kernel. Leave attention_min_rows unset (or 2 and more).")
+        # (None, or the keys bound; "auto": 512 at batch 1 where "auto" took the kernel, `one_row.resolve_keys`)
+        attention_one_row_keys, self.one_row_batch1_only = resolve_keys(attention_one_row_keys, attention, auto,
+                                                                        attention_min_rows)
         self.attention_one_row_keys = attention_one_row_keys
         min_rows = (int(attention_min_rows) if attention_min_rows is not None
                     else 2 if auto or attention_one_row_keys else 1)
@@ -448,6 +439,11 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
         feats = self.drafter.target_features(out.hidden_states) if self.drafter is not None else None
         return out.logits.float(), feats
 
+    def one_row_keys(self, rows: int) -> int | None:
+        """The keys bound of `attention_one_row_keys` for a call of `rows` rows (None: one-row steps stay where
+        `attention_min_rows` puts them). Under "auto" only calls of one row switch."""
+        return None if self.one_row_batch1_only and rows > 1 else self.attention_one_row_keys
+
     # ------------------------------------------------------------------ loop
     @torch.no_grad()
     @_decoding
@@ -557,8 +553,8 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
         slot = list(range(b))  # the prompt each row decodes (None: idle, its output read out)
         waiting = list(range(b, n))
         # `attention_one_row_keys`: plain steps on the kernel while every row's keys in use are few (`one_row.py`)
-        switch = (OneRowSwitch(self.attention_one_row_keys, [len(p) for p in prompts[:b]])
-                  if self.attention_one_row_keys and k == 0 and tree is None else None)
+        keys = self.one_row_keys(b)
+        switch = OneRowSwitch(keys, [len(p) for p in prompts[:b]]) if keys and k == 0 and tree is None else None
 
         def read_out(rows):  # finished rows' outputs queued for the host (`ReadOut`: no wait), their rows freed
             reader.take(rows, [slot[r] for r in rows])
