@@ -14,7 +14,8 @@ from test_sampling import ALPHA, NEW, PROMPT, VOCAB16, _drafter, _pvalues, _targ
 from hf_carryover.engine import capture as capture_mod
 from hf_carryover.engine import engine as engine_mod
 from hf_carryover.engine import refill as refill_mod
-from hf_carryover.engine.engine import SpeculativeEngine, auto_gemv_rows
+from hf_carryover.engine.capture import auto_gemv_rows
+from hf_carryover.engine.engine import SpeculativeEngine
 from hf_carryover.engine.graphs import restored
 
 

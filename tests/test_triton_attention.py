@@ -294,6 +294,24 @@ def test_one_row_switch_replays_the_graph_captured_for_each_choice(monkeypatch):
     assert eng.generate(prompts, max_new_tokens=10, batch_size=1) == refs and eng.kernel_steps == 5 + 6
 
 
+def test_gpu_engine_check_counts_one_row_kernel_steps(tmp_path):
+    """`trainer/gpu_engine_check.py` records how many plain steps of each prompt set ran on the kernel under
+    `attention_one_row_keys`, so a GPU check shows that the switch was crossed, not only that the text was exact.
+    At batch 1 its sets are one prompt each, of 28 and 15 tokens: with N = 20 the first never takes the kernel, the
+    second for the 5 steps launched while 15 + launches + 1 <= 20."""
+    out = tmp_path / "check.json"
+    cmd = [sys.executable, str(TESTS.parent / "trainer" / "gpu_engine_check.py"), "--device", "cpu", "--tiny",
+           "--max_new_tokens", "8", "--reps", "1", "--dtypes", "fp32", "--kinds", "ar", "--batch_sizes", "1",
+           "--attention", "triton", "--engine_options", "attention_one_row_keys=20", "--out", str(out)]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(TESTS.parent), "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    (row,) = summary["rows"]
+    assert summary["all_exact"] and row["exact"], row
+    assert (row["one_row_keys"], row["one_row_kernel_steps"]) == (20, [0, 5]), row
+
+
 def test_drafter_attention_on_the_kernel_equals_sdpa():
     """The kernel's key bias (the carryover gate) against SDPA with the same bias in an additive mask; a gated
     Carryover drafter's forward with its layers on `DrafterKernel` (cache rotated last) against SDPA; engines with

@@ -314,9 +314,10 @@ def main():
                         for name, engine in built.items():
                             if name == "eager":
                                 continue
-                            mismatches = []
+                            mismatches, kernel_steps = [], []  # (attention_one_row_keys: steps on the kernel)
                             for i, (prompts, (ref, ref_rounds)) in enumerate(zip(sets, refs)):
                                 out = engine.generate(prompts, max_new_tokens=max_new, eos_token_id=eos, **lk)
+                                kernel_steps.append(engine.kernel_steps)
                                 if out != ref or engine.rounds != ref_rounds:
                                     mismatches.append({"set": i, "first_diff_at": first_diff(ref, out),
                                                        "rounds_equal": engine.rounds == ref_rounds})
@@ -324,6 +325,9 @@ def main():
                             row.update({f"{tag}exact": not mismatches, f"{tag}mismatches": mismatches,
                                         f"{tag}mode": engine.last_mode, f"{tag}graphs": len(engine._graphs),
                                         f"{tag}skipped_drafts": engine.skipped_drafts})
+                            if engine.one_row_keys(b):  # the one-row switch: each set's plain steps on the kernel
+                                row.update({f"{tag}one_row_keys": engine.one_row_keys(b),
+                                            f"{tag}one_row_kernel_steps": kernel_steps})
                             if engine.compile:  # what gemv_rows="auto" (the default) chose for this engine
                                 row[f"{tag}gemv_rows"] = engine.gemv_rows
                             if engine._prefills and engine.compile:  # compiled row prefill: one dynamic-width

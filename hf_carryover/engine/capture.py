@@ -1,8 +1,8 @@
-"""Compiled and captured rounds of `SpeculativeEngine` (a mixin): which function runs a round, its CUDA graph per
-shape, the graph of a call's start, and the row prefill.
+"""Compiled and captured rounds of `SpeculativeEngine` (a mixin): the compile options, which function runs a round,
+its CUDA graph per shape, the graph of a call's start, and the row prefill.
 
-Kept apart from `engine.py`, which holds the engine's options and its decode loop; these methods only decide *how* a
-round runs (compiled or not, replayed or eager), never what it computes. A capture that fails is remembered and that
+Kept apart from `engine.py`, which holds the engine's other options and its decode loop; these methods only decide
+*how* a round runs (compiled or not, replayed or eager), never what it computes. A capture that fails is remembered and that
 shape runs eagerly with a warning, never with a broken graph.
 """
 
@@ -11,17 +11,71 @@ from __future__ import annotations
 import functools
 import warnings
 
+import torch
+
 from .attention import TRITON_SETTINGS
-from .compiling import compile_round
+from .compiling import check_inductor_options, compile_round
+from .fuse_projections import FuseSharedInputMatmuls
 from .graphs import capture_round
 from .refill import RowPrefill
 from .state import DecodeState
+
+
+def runs_own_pass(compile, compile_options: dict) -> bool:
+    """Whether the engine's frozen-weight inductor pass (`fuse_projections.py`: merged projections, `gemv_rows`)
+    runs: compiled with `freezing=True`, the pass's slot not set by the caller's options."""
+    return (bool(compile) and bool(compile_options.get("freezing"))
+            and "post_grad_custom_pre_pass" not in compile_options)
+
+
+def auto_gemv_rows(compile, device, compile_options: dict, config) -> int:
+    """`gemv_rows="auto"`: 1 (batch-1 plain steps' GEMMs as generated reductions) only where it was timed faster, a
+    CUDA target of hidden size <= 1024 where the engine's own pass runs (`runs_own_pass`); else 0."""
+    return int(runs_own_pass(compile, compile_options) and torch.device(device).type == "cuda"
+               and getattr(config, "hidden_size", 1 << 30) <= 1024)
 
 
 class CapturedRounds:
     """`_start`, `_row_prefill`, `_compiled`, `_round_fn`, `_graph` and `_capture_once` for `SpeculativeEngine`, which
     provides `cuda_graphs`, `profile`, `compile`, `prefill_ahead`, the rounds (`_round`, `_tree_round`, their compiled
     forms), `_begin`, `_on_cuda` and the caches of graphs and prefills (`_graphs`, `_prefills`)."""
+
+    def _setup_compile(self, compile, compile_options, gemv_rows, gemv_fusion, target) -> None:
+        """The constructor's compile options (`SpeculativeEngine`'s docstring says what each does and what it was
+        measured at), checked and resolved: the backend, inductor's options, `gemv_rows` ("auto" resolved),
+        `gemv_fusion`, and the engine's own inductor pass where the weights are frozen."""
+        self.compile = bool(compile)
+        self._compile_backend = compile if isinstance(compile, str) else "inductor"
+        if compile_options and (not compile or self._compile_backend != "inductor"):
+            raise ValueError(f"compile_options={compile_options} are inductor options: they need compile=True "
+                             f"(the inductor backend), not compile={compile!r}.")
+        self.compile_options = dict(compile_options or {})
+        if gemv_rows == "auto":
+            gemv_rows = auto_gemv_rows(compile, target.device, self.compile_options, target.config)
+        elif not isinstance(gemv_rows, int) or isinstance(gemv_rows, bool) or gemv_rows < 0:
+            raise ValueError(f"gemv_rows={gemv_rows!r}: 'auto', or a number of rows, 0 (off) or more.")
+        self.gemv_rows = gemv_rows
+        if not (isinstance(gemv_fusion, bool) or gemv_fusion == "norms"):
+            raise ValueError(f"gemv_fusion={gemv_fusion!r}: True, False or 'norms'.")
+        if gemv_rows and not runs_own_pass(compile, self.compile_options):
+            raise ValueError(f"gemv_rows={gemv_rows} rewrites the frozen weights' GEMMs in the engine's own inductor "
+                             "pass: it needs compile=True with compile_options={'freezing': True} (and the pass's slot "
+                             "left to the engine).")
+        if self.compile_options:
+            check_inductor_options(self.compile_options)
+        # with frozen weights, q/k/v (and any projections sharing an input) become one GEMM whatever their widths
+        # (`fuse_projections.py`); `compile_options` that set the slot themselves (None: off) keep their choice
+        self.fused_projections = None
+        self._inductor_patch = dict(self.compile_options)  # what `_compiled` sets: the options, and the pass
+        if runs_own_pass(compile, self.compile_options):
+            self.fused_projections = FuseSharedInputMatmuls(gemv_rows=gemv_rows, gemv_fusion=gemv_fusion)
+            self._inductor_patch["post_grad_custom_pre_pass"] = self.fused_projections
+        self._compiled_round = self._compiled(self._round) if compile else None
+        self._compiled_tree_round = None  # compiled on first use of a tree
+        if compile:  # every engine and batch shape recompiles the round; past dynamo's limit (8) it would quietly
+            cfg = torch._dynamo.config  # fall back to eager while last_mode still said "+compile"
+            name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+            setattr(cfg, name, max(getattr(cfg, name), 64))
 
     def _start(self, st: DecodeState, lookup: int, use_graphs: bool, rows: bool = False) -> None:
         """`_begin`, as a graph captured once per state, lookup and `rows` where the rounds are captured. Why: eagerly

@@ -43,10 +43,9 @@ import torch
 from ..generation_carryover import eos_tensor
 from .attention import TRITON_ATTENTION, check_attention, drafter_kernel, engine_attention, use_drafter_kernel
 from .capture import CapturedRounds
-from .compiling import check_inductor_options
+from .compiling import check_inductor_options  # (re-exported: drafters' tree rounds)
 from .triton_attention import available as triton_available
 from .triton_attention import check_settings as check_triton_settings
-from .fuse_projections import FuseSharedInputMatmuls
 from .graphs import install_output_hooks, run_ahead
 from .inputs import check_decoding, prompt_lists
 from .linear_round import LinearRounds
@@ -95,20 +94,6 @@ def _is_cuda(device) -> bool:
 # one pass of 10 MT-Bench prompts each) the linear round read 753 tok/s with 454 slots, 617 with 581, 695 with 640
 # (581 rounded up) and 757 with 512 (examples/results/h200-2026-12-01f); length and alignment were not separated.
 MAX_LEN_ALIGN = 64
-
-
-def runs_own_pass(compile, compile_options: dict) -> bool:
-    """Whether the engine's frozen-weight inductor pass (`fuse_projections.py`: merged projections, `gemv_rows`)
-    runs: compiled with `freezing=True`, the pass's slot not set by the caller's options."""
-    return (bool(compile) and bool(compile_options.get("freezing"))
-            and "post_grad_custom_pre_pass" not in compile_options)
-
-
-def auto_gemv_rows(compile, device, compile_options: dict, config) -> int:
-    """`gemv_rows="auto"`: 1 (batch-1 plain steps' GEMMs as generated reductions) only where it was timed faster, a
-    CUDA target of hidden size <= 1024 where the engine's own pass runs (`runs_own_pass`); else 0."""
-    return int(runs_own_pass(compile, compile_options) and _is_cuda(device)
-               and getattr(config, "hidden_size", 1 << 30) <= 1024)
 
 
 class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
@@ -323,38 +308,7 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
         # replayed; None (the default) costs nothing
         self.round_hook = None
         self.profile = profile
-        self.compile = bool(compile)
-        self._compile_backend = compile if isinstance(compile, str) else "inductor"
-        if compile_options and (not compile or self._compile_backend != "inductor"):
-            raise ValueError(f"compile_options={compile_options} are inductor options: they need compile=True "
-                             f"(the inductor backend), not compile={compile!r}.")
-        self.compile_options = dict(compile_options or {})
-        if gemv_rows == "auto":
-            gemv_rows = auto_gemv_rows(compile, target.device, self.compile_options, target.config)
-        elif not isinstance(gemv_rows, int) or isinstance(gemv_rows, bool) or gemv_rows < 0:
-            raise ValueError(f"gemv_rows={gemv_rows!r}: 'auto', or a number of rows, 0 (off) or more.")
-        self.gemv_rows = gemv_rows
-        if not (isinstance(gemv_fusion, bool) or gemv_fusion == "norms"):
-            raise ValueError(f"gemv_fusion={gemv_fusion!r}: True, False or 'norms'.")
-        if gemv_rows and not runs_own_pass(compile, self.compile_options):
-            raise ValueError(f"gemv_rows={gemv_rows} rewrites the frozen weights' GEMMs in the engine's own inductor "
-                             "pass: it needs compile=True with compile_options={'freezing': True} (and the pass's slot "
-                             "left to the engine).")
-        if self.compile_options:
-            check_inductor_options(self.compile_options)
-        # with frozen weights, q/k/v (and any projections sharing an input) become one GEMM whatever their widths
-        # (`fuse_projections.py`); `compile_options` that set the slot themselves (None: off) keep their choice
-        self.fused_projections = None
-        self._inductor_patch = dict(self.compile_options)  # what `_compiled` sets: the options, and the pass
-        if runs_own_pass(compile, self.compile_options):
-            self.fused_projections = FuseSharedInputMatmuls(gemv_rows=gemv_rows, gemv_fusion=gemv_fusion)
-            self._inductor_patch["post_grad_custom_pre_pass"] = self.fused_projections
-        self._compiled_round = self._compiled(self._round) if compile else None
-        self._compiled_tree_round = None  # compiled on first use of a tree
-        if compile:  # every engine and batch shape recompiles the round; past dynamo's limit (8) it would quietly
-            cfg = torch._dynamo.config  # fall back to eager while last_mode still said "+compile"
-            name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-            setattr(cfg, name, max(getattr(cfg, name), 64))
+        self._setup_compile(compile, compile_options, gemv_rows, gemv_fusion, target)  # (`capture.py`)
         self.cuda_graphs = cuda_graphs
         self.last_mode: str | None = None
         self.timing = {"draft": 0.0, "verify": 0.0, "other": 0.0, "rounds": 0}
