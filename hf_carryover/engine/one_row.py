@@ -41,7 +41,7 @@ def resolve_keys(value, attention: str, auto_attention: bool, min_rows) -> tuple
     "auto" turns the switch on only where nothing asked otherwise: attention "auto" took the kernel (an engine named
     "triton" runs every one-row step on the kernel, SDPA has no kernel to switch to) and `attention_min_rows` is
     unset. A number asks for the switch at every batch size, and is refused where it cannot apply."""
-    if value == "auto" and not isinstance(value, bool):
+    if isinstance(value, str) and value == "auto":
         on = auto_attention and attention == "triton" and min_rows is None
         return (AUTO_KEYS, True) if on else (None, False)
     if value is None:
