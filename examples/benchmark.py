@@ -288,8 +288,9 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
     res["attention"] = engine.attention  # the target's attention in the engine's rounds ("auto" resolved)
     if engine.attention == "triton":  # the kernel's settings, min_rows included ("auto": one-row calls on SDPA)
         res["attention_settings"] = dict(engine.attention_settings)
-    if engine.one_row_keys(batch):  # one-row steps on the kernel up to that many keys in use, then on SDPA
-        res.update(attention_one_row_keys=engine.one_row_keys(batch), one_row_kernel_steps=on_kernel)
+    one_row_keys = engine.one_row_keys(batch)
+    if one_row_keys:  # one-row steps on the kernel up to that many keys in use, then on SDPA
+        res.update(attention_one_row_keys=one_row_keys, one_row_kernel_steps=on_kernel)
     settings = getattr(engine, "options", None)
     if settings:  # --engine_options and the drafter spec's engine keys (make_engine): the setting a row timed
         res["engine_options"] = dict(settings)

@@ -2,8 +2,8 @@
 its CUDA graph per shape, the graph of a call's start, and the row prefill.
 
 Kept apart from `engine.py`, which holds the engine's other options and its decode loop; these methods only decide
-*how* a round runs (compiled or not, replayed or eager), never what it computes. A capture that fails is remembered and that
-shape runs eagerly with a warning, never with a broken graph.
+*how* a round runs (compiled or not, replayed or eager), never what it computes. A capture that fails is remembered
+and that shape runs eagerly with a warning, never with a broken graph.
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ from .refill import RowPrefill
 from .state import DecodeState
 
 
+def _is_cuda(device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
 def runs_own_pass(compile, compile_options: dict) -> bool:
     """Whether the engine's frozen-weight inductor pass (`fuse_projections.py`: merged projections, `gemv_rows`)
     runs: compiled with `freezing=True`, the pass's slot not set by the caller's options."""
@@ -31,7 +35,7 @@ def runs_own_pass(compile, compile_options: dict) -> bool:
 def auto_gemv_rows(compile, device, compile_options: dict, config) -> int:
     """`gemv_rows="auto"`: 1 (batch-1 plain steps' GEMMs as generated reductions) only where it was timed faster, a
     CUDA target of hidden size <= 1024 where the engine's own pass runs (`runs_own_pass`); else 0."""
-    return int(runs_own_pass(compile, compile_options) and torch.device(device).type == "cuda"
+    return int(runs_own_pass(compile, compile_options) and _is_cuda(device)
                and getattr(config, "hidden_size", 1 << 30) <= 1024)
 
 

@@ -42,7 +42,7 @@ import torch
 
 from ..generation_carryover import eos_tensor
 from .attention import TRITON_ATTENTION, check_attention, drafter_kernel, engine_attention, use_drafter_kernel
-from .capture import CapturedRounds
+from .capture import CapturedRounds, _is_cuda  # (tests patch `engine._is_cuda` to pretend a GPU)
 from .compiling import check_inductor_options  # (re-exported: drafters' tree rounds)
 from .triton_attention import available as triton_available
 from .triton_attention import check_settings as check_triton_settings
@@ -83,10 +83,6 @@ def _decoding(method):
             for sub in (sub for subs in training for sub in subs):
                 sub.training = True
     return run
-
-
-def _is_cuda(device) -> bool:
-    return torch.device(device).type == "cuda"
 
 
 # Cache length granularity: caches and masks of a multiple of 64 slots keep the attention kernels' rows aligned
