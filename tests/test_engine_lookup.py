@@ -157,7 +157,7 @@ def test_engine_lookup_compiled_and_graph_plumbing(monkeypatch):
     generation; greedy: one graph; sampled: breaks only at the draws' sums) and through the cuda_graphs control flow
     (an eager stand-in on CPU): the eager lookup engine's tokens and rounds, greedy and sampled; a lookup setting is
     its own captured shape."""
-    from test_engine import _fake_capture
+    from test_engine_capture import _fake_capture
 
     target = build_target("llama", seed=5)
     drafter = build_drafter(target, "dflash", True)

@@ -459,7 +459,7 @@ def test_sampled_tree_negative_control(monkeypatch):
 def test_sampled_tree_rounds_compiled_and_captured_equal_eager(monkeypatch):
     """A sampled tree call through torch.compile and through the cuda_graphs loop (an eager stand-in on CPU): the
     same seed gives the eager engine's tokens and rounds (the uniforms are drawn outside the round)."""
-    from test_engine import _fake_capture
+    from test_engine_capture import _fake_capture
 
     target = build_target("llama", seed=5)
     drafter = build_drafter(target, "dflash", True)

@@ -2,7 +2,8 @@
 tokens, only the width left dynamic, and a fallback to per-width compiles when the dynamic compile fails.
 
 The compiles here go through recording backends (registered with dynamo, eager underneath); the suite's inductor
-test (`test_engine.py::test_compiled_round_equals_eager`) runs the row prefill through inductor at two widths."""
+test (`test_engine_capture.py::test_compiled_round_equals_eager`) runs the row prefill through inductor at two
+widths."""
 
 import pytest
 import torch

@@ -491,8 +491,8 @@ def test_gpu_engine_check_trained_drafter_real_prompts_cpu(tmp_path, monkeypatch
     """--target/--drafter/--prompts_dir: a saved target, a drafter trained on its rollouts (so drafts are accepted,
     unlike a random drafter's) and prompt files. Every engine equals the eager one, and at batch 1 the eager engine
     equals plain greedy `target.generate`; continuous batching equals static batches; a drafter without its target is
-    refused by name. (Compiled rounds: `test_gpu_engine_check_tiny_cpu` and tests/test_engine.py.) The script runs in
-    this process (`test_gpu_engine_check_tiny_cpu` runs it as a subprocess)."""
+    refused by name. (Compiled rounds: `test_gpu_engine_check_tiny_cpu` and tests/test_engine_capture.py.) The script
+    runs in this process (`test_gpu_engine_check_tiny_cpu` runs it as a subprocess)."""
     from test_offline_tau import overfit
     from test_training import tiny_target
 
