@@ -47,8 +47,8 @@ def main(argv=None):
 
     from hf_carryover import Drafter
     from hf_carryover.training.data import ResponseCollator, ResponseDataset
-    from hf_carryover.training.objectives import (block_targets, draft_blocks, greedy_proposals, sample_anchors,
-                                                  target_pass, verify_all)
+    from hf_carryover.training.objectives import (draft_blocks, greedy_proposals, sample_anchors, target_pass,
+                                                  verify_all)
 
     target = load_target(args.target, torch.float32, "cpu")
     drafter = Drafter.from_pretrained(args.drafter, dtype=torch.float32).eval()
