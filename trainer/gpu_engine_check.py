@@ -325,8 +325,9 @@ def main():
                             row.update({f"{tag}exact": not mismatches, f"{tag}mismatches": mismatches,
                                         f"{tag}mode": engine.last_mode, f"{tag}graphs": len(engine._graphs),
                                         f"{tag}skipped_drafts": engine.skipped_drafts})
-                            if engine.one_row_keys(b):  # the one-row switch: each set's plain steps on the kernel
-                                row.update({f"{tag}one_row_keys": engine.one_row_keys(b),
+                            one_row_keys = engine.one_row_keys(b)
+                            if one_row_keys:  # the one-row switch: each set's plain steps on the kernel
+                                row.update({f"{tag}one_row_keys": one_row_keys,
                                             f"{tag}one_row_kernel_steps": kernel_steps})
                             if engine.compile:  # what gemv_rows="auto" (the default) chose for this engine
                                 row[f"{tag}gemv_rows"] = engine.gemv_rows
