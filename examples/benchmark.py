@@ -84,6 +84,18 @@ def load_target(name, dtype, device):
                           max_position_embeddings=40960, eos_token_id=151645, pad_token_id=151643)
         with torch.device(device):
             return Qwen3ForCausalLM(cfg).to(dtype).eval()
+    if name == "smollm2-random":  # the reference target's shapes with random weights: step timings on a machine
+        # without the converted target (with --ignore_eos every row decodes the same tokens as any target would)
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from hf_carryover.reference import SMOLLM2_EXPECTED_CONFIG
+
+        torch.manual_seed(0)
+        shapes = {k: v for k, v in SMOLLM2_EXPECTED_CONFIG.items() if k != "model_type"}
+        cfg = LlamaConfig(**shapes, intermediate_size=1536, max_position_embeddings=8192, rope_theta=100000.0,
+                          rms_norm_eps=1e-5, eos_token_id=2, bos_token_id=1, pad_token_id=2)
+        with torch.device(device):
+            return LlamaForCausalLM(cfg).to(dtype).eval()
     return evaluate_tau.load_target(name, dtype, device)  # "reference" or a model folder
 
 
@@ -311,7 +323,9 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="reference")
+    p.add_argument("--target", default="reference", help="'reference' (SmolLM2-135M-Instruct), a model folder, or "
+                   "random weights for timings: 'smollm2-random' (the reference's shapes, with --ignore_eos), "
+                   "'qwen3-4b-random' (a projection)")
     p.add_argument("--drafters", nargs="*", default=[])
     p.add_argument("--datasets", nargs="+", default=["mtbench", "humaneval"])
     p.add_argument("--prompts_dir", default="assets/prompts")

@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from hf_carryover.reference import (
     save_reference_for_serving,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(layers=2, hidden=64, heads=2, kv_heads=1, ffn=128)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}"
@@ -306,3 +308,27 @@ def test_reference_for_serving_matches_target(tmp_path, monkeypatch):
     assert torch.equal(served.model.embed_tokens.weight, model.model.embed_tokens.weight.to(torch.bfloat16))
     source = json.loads((bf16 / reference.SOURCE_FILE).read_text())
     assert source["stored_dtype"] == "bfloat16" and source["gguf_md5"] and source["serving_copy_of"]
+
+
+def test_benchmark_random_smollm2_has_the_reference_shapes(monkeypatch):
+    """`examples/benchmark.py --target smollm2-random` times plain steps on a machine without the converted target.
+    Its timings stand for the reference only if every parameter has the reference's shape (SmolLM2-135M: 134,515,008
+    parameters); where the converted folder is cached, its config.json is compared shape for shape."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    from benchmark import load_target
+
+    model = load_target("smollm2-random", torch.bfloat16, "meta")
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    for key, value in SMOLLM2_EXPECTED_CONFIG.items():
+        assert getattr(model.config, key) == value, key
+    cached = _assets.cache_root() / reference.SMOLLM2_DIR_NAME / "config.json"
+    if cached.is_file():
+        cfg = AutoConfig.from_pretrained(cached.parent)
+        with torch.device("meta"):
+            real = AutoModelForCausalLM.from_config(cfg)
+        assert shapes == {n: tuple(p.shape) for n, p in real.named_parameters()}
+        assert model.config.rope_parameters == cfg.rope_parameters
+        assert model.config.rms_norm_eps == pytest.approx(cfg.rms_norm_eps)
