@@ -27,6 +27,12 @@ def batch_of(method: str) -> int:
     return int(m.group(1)) if m else 1
 
 
+def ar_of(method: str) -> str:
+    """The engine AR row a method's ratio is taken against: the same batch suffix (`engine_tree_lookup31:d@8c` ->
+    `engine_ar@8c`, so continuous rows compare with continuous AR); HF rows (no suffix) -> `engine_ar@1`."""
+    return "engine_ar@" + (method.rsplit("@", 1)[1] if "@" in method else "1")
+
+
 def kind_of(method: str) -> str:
     """The method without its batch suffix and drafter name: what `--methods` selects on."""
     base = method.split("@")[0].split(":")[0]
@@ -100,13 +106,15 @@ def main():
         methods = sorted(speed, key=speed.get)
         width = 0.8 / len(methods)
         for i, m in enumerate(methods):
+            labelled = False  # the legend names a method at its first bar, whichever dataset that is
             for j, d in enumerate(datasets):
                 r = next((x for x in here if x["method"] == m and x["dataset"] == d), None)
                 if r is None:
                     continue
-                ar = next((x for x in here if x["dataset"] == d and x["method"] == f"engine_ar@{b}"), None)
+                ar = next((x for x in here if x["dataset"] == d and x["method"] == ar_of(m)), None)
                 bar = ax.bar(j + (i - (len(methods) - 1) / 2) * width, r["tok_per_s"], width,
-                             color=f"C{kinds.index(kind_of(m))}", label=m if j == 0 else None)
+                             color=f"C{kinds.index(kind_of(m))}", label=None if labelled else m)
+                labelled = True
                 label = f"{r['tok_per_s']:.0f}" + (f"\n{r['tok_per_s'] / ar['tok_per_s']:.2f}×" if ar else "")
                 ax.bar_label(bar, [label], fontsize=6)
         ax.set_xticks(range(len(datasets)), datasets)

@@ -43,10 +43,13 @@ def test_plot_speed_draws_summary_rows_first_file_first(tmp_path):
     two files is drawn from the first file named; a folder's re-run counts its last summary row; batch sizes and
     method kinds come from the names; a file without summary rows is refused by name."""
     sys.path.insert(0, str(ROOT / "examples"))
-    from plot_speed import batch_of, kind_of, select_rows
+    from plot_speed import ar_of, batch_of, kind_of, select_rows
 
     assert [batch_of(m) for m in ("engine_ar@8", "engine_ar@8c", "hf_static_compile", "engine_tree_lookup31:d@1")] \
         == [8, 8, 1, 1]
+    # a ratio's AR row keeps the batching: continuous rows against continuous AR (the batch-8 labels were missing)
+    assert [ar_of(m) for m in ("engine_tree_lookup31:d@8c", "engine_tree_lookup31:d@8", "hf_static_compile")] \
+        == ["engine_ar@8c", "engine_ar@8", "engine_ar@1"]
     assert kind_of("engine_tree_lookup31:dflash-carryover-gated@8") == "engine_tree_lookup"
     assert kind_of("engine_lookup:d@1") == "engine_lookup" and kind_of("vllm_ar@8") == "vllm_ar"
 

@@ -287,7 +287,7 @@ def test_one_row_switch_replays_the_graph_captured_for_each_choice(monkeypatch):
     assert sorted(k[-1] for k in rounds) == [1, 2]  # the plain step on the kernel and on SDPA, one graph each
     assert sorted(set(seen)) == list(range(3, 9)) and eng.kernel_steps == 5 + 6
     assert 1 in captured_rows and attention.TRITON_SETTINGS["min_rows"] == 1  # the module's default, restored
-    eng.one_row_batch1_only = True  # as under "auto": a call of two rows keeps its one-row steps on SDPA
+    eng.one_row_max_rows = 1  # as "auto" does above 8 rows: a call of more rows keeps its one-row steps on SDPA
     seen.clear()
     assert eng.generate(prompts, max_new_tokens=10, batch_size=2) == refs
     assert seen == [] and eng.kernel_steps is None
@@ -460,14 +460,14 @@ def test_auto_attention_takes_the_kernel_for_half_precision_cuda_targets(monkeyp
     named = engine_mod.SpeculativeEngine(target, attention="triton")
     assert named.attention_settings["min_rows"] == 1  # the kernel wherever it applies
     # one-row steps chosen by their keys in use: min_rows 2 outside the switch; "auto" switches at 512 keys in
-    # calls of one row, and only where nothing asked otherwise
-    assert (auto.one_row_keys(1), auto.one_row_keys(2)) == (512, None)
+    # calls of up to 8 rows, and only where nothing asked otherwise
+    assert [auto.one_row_keys(b) for b in (1, 2, 8, 9, 16)] == [512, 512, 512, None, None]
     assert named.one_row_keys(1) is None  # "triton" by name: every one-row step on the kernel
     assert engine_mod.SpeculativeEngine(target, attention_min_rows=2).one_row_keys(1) is None
     off = engine_mod.SpeculativeEngine(target, attention_one_row_keys=None)
     assert off.one_row_keys(1) is None and off.attention_settings["min_rows"] == 2
     switch = engine_mod.SpeculativeEngine(target, attention="triton", attention_one_row_keys=512)
-    assert switch.one_row_keys(8) == 512 and switch.attention_settings["min_rows"] == 2  # a number: every batch
+    assert switch.one_row_keys(16) == 512 and switch.attention_settings["min_rows"] == 2  # a number: every batch
     with pytest.raises(ValueError, match="attention_min_rows=1 puts them all on the kernel"):
         engine_mod.SpeculativeEngine(target, attention="triton", attention_one_row_keys=512, attention_min_rows=1)
     assert engine_mod.SpeculativeEngine(target, attention="sdpa").attention == "sdpa"  # asked for by name

@@ -176,9 +176,10 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
         `attention_one_row_keys=N`: one-row steps run on the kernel while every row attends to at most N keys, and
         on SDPA after that (`one_row.py`: two variants of the plain step, chosen by the host from a bound it counts
         itself, no device read). It needs the kernel (attention "triton", or "auto" taking it) and leaves
-        `attention_min_rows` at 2. "auto" (the default) sets 512 for calls of one row where attention "auto" took the
-        kernel and `attention_min_rows` is unset, else off (None): batch-1 plain decoding was 4.1-5.4 % faster at
-        200-250 keys in use and 0.5 % slower at about 1010 on an H100 (`h100-2026-12-05h`).
+        `attention_min_rows` at 2. "auto" (the default) sets 512 for calls of up to 8 rows where attention "auto" took
+        the kernel and `attention_min_rows` is unset, else off (None): batch-1 plain decoding was 8.2 % faster at
+        about 200 keys in use on the H200 (`h200-2026-12-06`), 4.1-5.4 % at 200-250 and 0.5 % slower at about 1010
+        on an H100 (`h100-2026-12-05h`); batch 8 was 1.7 % faster on the H200 (`one_row.py`).
         SDPA at one row (cuDNN) is not run-to-run deterministic in bf16 on the H200 (12-03d's
         `pass_determinism.txt`); attention="triton" gives reproducible bf16 plain decoding.
 
@@ -267,9 +268,10 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
             attention = ("triton" if half and _is_cuda(target.device) and triton_available(target.device) is None
                          else "sdpa")
         self.attention = attention
-        # (None, or the keys bound; "auto": 512 at batch 1 where "auto" took the kernel, `one_row.resolve_keys`)
-        attention_one_row_keys, self.one_row_batch1_only = resolve_keys(attention_one_row_keys, attention, auto,
-                                                                        attention_min_rows)
+        # (None, or the keys bound; "auto": 512 for calls of up to 8 rows where "auto" took the kernel,
+        # `one_row.resolve_keys`)
+        attention_one_row_keys, self.one_row_max_rows = resolve_keys(attention_one_row_keys, attention, auto,
+                                                                     attention_min_rows)
         self.attention_one_row_keys = attention_one_row_keys
         min_rows = (int(attention_min_rows) if attention_min_rows is not None
                     else 2 if auto or attention_one_row_keys else 1)
@@ -391,8 +393,9 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
 
     def one_row_keys(self, rows: int) -> int | None:
         """The keys bound of `attention_one_row_keys` for a call of `rows` rows (None: one-row steps stay where
-        `attention_min_rows` puts them). Under "auto" only calls of one row switch."""
-        return None if self.one_row_batch1_only and rows > 1 else self.attention_one_row_keys
+        `attention_min_rows` puts them). Under "auto" calls of up to `one_row.AUTO_MAX_ROWS` rows switch."""
+        too_many = self.one_row_max_rows is not None and rows > self.one_row_max_rows
+        return None if too_many else self.attention_one_row_keys
 
     # ------------------------------------------------------------------ loop
     @torch.no_grad()

@@ -15,13 +15,18 @@ token to a row, so a row that started (prefill or refill) with p prompt tokens L
 p + L + 1 keys in its next step. Both variants compute the same attention, so the choice changes speed, never the
 output. A bound that is too high only keeps a step on SDPA.
 
-"auto" (the engine's default) sets N = 512 for calls of one row, where the engine's "auto" attention took the kernel.
-512 is where a line through the H200's per-step costs above crosses SDPA's (a fit through two points, about 510
-keys). On an H100 (`examples/results/h100-2026-12-05h`, same settings, one call each) the switch at 512 made plain
-decoding 5.4 % faster on 20 MT-Bench answers (about 200 keys in use), 4.1 % on 80 HumanEval answers (about 250), and
-0.5 % slower over 1900 tokens after short ShareGPT prompts (about 1010; a quarter of the steps on the kernel), where
-the kernel for every step had lost 6.3 % on the H200. Calls of more rows keep one-row steps on SDPA under "auto":
-the kernel's one-row steps at batch 2 and more have not been timed.
+"auto" (the engine's default) sets N = 512 for calls of up to 8 rows, where the engine's "auto" attention took the
+kernel. 512 is where a line through the H200's per-step costs above crosses SDPA's (a fit through two points, about
+510 keys). What the switch at 512 measured, end to end against SDPA for every one-row step (same settings, each pair
+in one call):
+  * batch 1, H200 (`examples/results/h200-2026-12-06`): 8.2 % faster on 20 MT-Bench answers (about 200 keys in use);
+  * batch 1, H100 (`examples/results/h100-2026-12-05h`): 5.4 % faster on 20 MT-Bench answers, 4.1 % on 80 HumanEval
+    answers (about 250), 0.5 % slower over 1900 tokens after short ShareGPT prompts (about 1010; a quarter of the
+    steps on the kernel), where the kernel for every step had lost 6.3 % on the H200;
+  * batch 8, H200, continuous batching over 80 MT-Bench prompts (h200-2026-12-06): 1.7 % faster, 86 % of the steps
+    on the kernel.
+Batches of 2 to 4 rows lie between the two timed sizes and were not timed themselves; calls of more than 8 rows keep
+one-row steps on SDPA under "auto" (untimed).
 """
 
 from __future__ import annotations
@@ -31,24 +36,27 @@ from contextlib import contextmanager
 from .attention import TRITON_SETTINGS
 
 
-AUTO_KEYS = 512  # "auto": the keys bound at batch 1 (module docstring)
+AUTO_KEYS = 512  # "auto": the keys bound (module docstring)
+AUTO_MAX_ROWS = 8  # "auto": the largest call that switches (batch 1 and 8 timed; module docstring)
 
 
-def resolve_keys(value, attention: str, auto_attention: bool, min_rows) -> tuple[int | None, bool]:
+def resolve_keys(value, attention: str, auto_attention: bool, min_rows) -> tuple[int | None, int | None]:
     """`SpeculativeEngine(attention_one_row_keys=value)` checked against the engine's resolved `attention` and its
-    `attention_min_rows` (None: unset) -> (the keys bound or None for off, whether it holds for calls of one row only).
+    `attention_min_rows` (None: unset) -> (the keys bound or None for off, the most rows of a call it holds for or
+    None for every call).
 
     "auto" turns the switch on only where nothing asked otherwise: attention "auto" took the kernel (an engine named
     "triton" runs every one-row step on the kernel, SDPA has no kernel to switch to) and `attention_min_rows` is
     unset. A number asks for the switch at every batch size, and is refused where it cannot apply."""
     if isinstance(value, str) and value == "auto":
         on = auto_attention and attention == "triton" and min_rows is None
-        return (AUTO_KEYS, True) if on else (None, False)
+        return (AUTO_KEYS, AUTO_MAX_ROWS) if on else (None, None)
     if value is None:
-        return None, False
+        return None, None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"attention_one_row_keys={value!r}: a number of keys, at least 1 (None: off; 'auto': "
-                         f"{AUTO_KEYS} at batch 1 where attention 'auto' took the kernel).")
+                         f"{AUTO_KEYS} for calls of up to {AUTO_MAX_ROWS} rows where attention 'auto' took the "
+                         "kernel).")
     if attention != "triton":
         raise ValueError(f"attention_one_row_keys={value} switches one-row steps between the Triton kernel and SDPA, "
                          f"but this engine's attention is {attention!r} ('auto' takes the kernel for bf16/fp16 CUDA "
@@ -57,7 +65,7 @@ def resolve_keys(value, attention: str, auto_attention: bool, min_rows) -> tuple
         raise ValueError(f"attention_one_row_keys={value} chooses the attention of one-row steps by their keys in use; "
                          f"attention_min_rows={min_rows} puts them all on the kernel. Leave attention_min_rows unset "
                          "(or 2 and more).")
-    return value, False
+    return value, None
 
 
 class OneRowSwitch:
@@ -110,4 +118,4 @@ def one_row_kernel():
         TRITON_SETTINGS["min_rows"] = before
 
 
-__all__ = ["AUTO_KEYS", "OneRowSwitch", "one_row_kernel", "resolve_keys"]
+__all__ = ["AUTO_KEYS", "AUTO_MAX_ROWS", "OneRowSwitch", "one_row_kernel", "resolve_keys"]
