@@ -186,6 +186,8 @@ def test_engine_with_triton_attention_decodes_plain_greedy_text():
 def test_one_row_steps_take_the_kernel_only_up_to_their_keys_in_use():
     """`attention_one_row_keys=8`: plain steps of rows attending to at most 8 keys run on the kernel, the rest on SDPA.
     Three prompts (3, 20 and 2 tokens) go through one row (continuous batching), so a refill starts the count again.
+    At two rows ("auto" switches calls of up to 8) a step takes the kernel only while every row still decoding is
+    within the bound; a row whose output was read out no longer counts (its attention is discarded).
     The text equals plain greedy decoding. Compiled (aot_eager), each choice traces its own round: one-row kernel
     calls appear while tracing, which a round compiled once on SDPA would not show."""
     out = _run("""
@@ -194,17 +196,17 @@ def test_one_row_steps_take_the_kernel_only_up_to_their_keys_in_use():
         from hf_carryover.engine import attention
         from hf_carryover.engine.engine import SpeculativeEngine
 
-        kernel, sdpa = [], []  # keys seen by the last query row of each one-row call
+        kernel, sdpa = [], []  # per one-row call: the keys each batch row's last query row sees
         real_kernel, real_sdpa = attention.masked_gqa_attention, attention.gqa_sdpa_attention
 
         def on_kernel(q, k, v, mask, *a, **kw):
             if q.shape[2] == 1:
-                kernel.append(int(mask[0, 0, -1].sum()))
+                kernel.append(tuple(mask[:, 0, -1].sum(-1).tolist()))
             return real_kernel(q, k, v, mask, *a, **kw)
 
         def on_sdpa(module, q, k, v, mask, *a, **kw):
             if q.shape[2] == 1:
-                sdpa.append(int(mask[0, 0, -1].sum()))
+                sdpa.append(tuple(mask[:, 0, -1].sum(-1).tolist()))
             return real_sdpa(module, q, k, v, mask, *a, **kw)
 
         attention.masked_gqa_attention, attention.gqa_sdpa_attention = on_kernel, on_sdpa
@@ -216,7 +218,14 @@ def test_one_row_steps_take_the_kernel_only_up_to_their_keys_in_use():
                                 attention_one_row_keys=8)
         res["min_rows"] = eng.attention_settings["min_rows"]
         res["exact"] = eng.generate(prompts, max_new_tokens=10, batch_size=1) == refs
-        res["kernel"], res["sdpa"], res["kernel_steps"] = sorted(set(kernel)), sorted(set(sdpa)), eng.kernel_steps
+        res["kernel"], res["sdpa"] = sorted({n for n, in kernel}), sorted({n for n, in sdpa})
+        res["kernel_steps"] = eng.kernel_steps
+        kernel.clear()
+        sdpa.clear()
+        pair = _prompts(5, (3, 4, 2))  # two rows of 3 and 4 tokens, then a refill of 2
+        res["pair_exact"] = eng.generate(pair, max_new_tokens=10, batch_size=2) == _greedy_refs(target, pair, 10)
+        res["pair_kernel"], res["pair_sdpa"] = sorted(set(kernel)), sorted(set(sdpa))
+        res["pair_steps"] = eng.kernel_steps
         kernel.clear()
         comp = SpeculativeEngine(target, None, max_len=64, attention="triton", attention_block_n=16,
                                  attention_one_row_keys=8, compile="aot_eager")
@@ -232,6 +241,13 @@ def test_one_row_steps_take_the_kernel_only_up_to_their_keys_in_use():
     assert out["sdpa"] and min(out["sdpa"]) > 8 and 21 in out["sdpa"], out
     assert out["kernel_steps"] == 5 + 6, out
     assert out["compiled_traced_kernel"], out
+    # two rows of 3 and 4 tokens: the longer one bounds the pair, 4 steps on the kernel (its 5..8 keys), then SDPA;
+    # both finish together, the refill (2 tokens) goes to row 0 and takes the kernel for its 3..8 keys (6 steps)
+    # beside row 1, read out at 13 keys and no longer counted
+    assert out["pair_exact"], out
+    both = [[4, 5], [5, 6], [6, 7], [7, 8]]
+    assert out["pair_kernel"] == sorted(both + [[n, 13] for n in range(3, 9)]) and out["pair_steps"] == 10, out
+    assert [8, 9] in out["pair_sdpa"] and [9, 13] in out["pair_sdpa"], out
 
 
 def test_one_row_switch_replays_the_graph_captured_for_each_choice(monkeypatch):
