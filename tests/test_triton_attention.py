@@ -254,7 +254,7 @@ def test_one_row_switch_replays_the_graph_captured_for_each_choice(monkeypatch):
     """The captured path of `attention_one_row_keys` on CPU, with stand-ins: a "graph" replays its round under the
     one-row setting it was captured with (as a CUDA graph keeps the kernels it recorded), and the kernel is SDPA that
     records its calls. Two graphs of the plain step are captured, one per choice, and each step replays the one its
-    keys in use ask for; the text equals plain greedy decoding."""
+    keys in use ask for; the text equals plain greedy decoding, at one row and at two (with a refill)."""
     import torch.nn.functional as F
 
     from test_engine import _greedy_refs, _prompts
@@ -280,11 +280,11 @@ def test_one_row_switch_replays_the_graph_captured_for_each_choice(monkeypatch):
                 attention.TRITON_SETTINGS["min_rows"] = before
         return type("Graph", (), {"replay": staticmethod(replay)})()
 
-    seen = []  # keys seen by one-row kernel calls
+    seen = []  # per one-row kernel call: the keys each batch row sees
 
     def kernel(q, k, v, mask, scale, *a, **kw):
         if q.shape[2] == 1:
-            seen.append(int(mask[0, 0, -1].sum()))
+            seen.append(tuple(mask[:, 0, -1].sum(-1).tolist()))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True).transpose(1, 2)
 
     monkeypatch.setattr(engine_mod, "_is_cuda", lambda device: True)
@@ -301,8 +301,13 @@ def test_one_row_switch_replays_the_graph_captured_for_each_choice(monkeypatch):
     assert eng.generate(prompts, max_new_tokens=10, batch_size=1) == refs
     rounds = [k for k, g in eng._graphs.items() if k[0] not in ("start", "restart")]
     assert sorted(k[-1] for k in rounds) == [1, 2]  # the plain step on the kernel and on SDPA, one graph each
-    assert sorted(set(seen)) == list(range(3, 9)) and eng.kernel_steps == 5 + 6
+    assert sorted({n for n, in seen}) == list(range(3, 9)) and eng.kernel_steps == 5 + 6
     assert 1 in captured_rows and attention.TRITON_SETTINGS["min_rows"] == 1  # the module's default, restored
+    seen.clear()  # two rows with a refill, as in the eager test above: the same steps replay the kernel's graph
+    pair = _prompts(5, (3, 4, 2))
+    assert eng.generate(pair, max_new_tokens=10, batch_size=2) == _greedy_refs(target, pair, 10)
+    both = [(4, 5), (5, 6), (6, 7), (7, 8)]
+    assert sorted(set(seen)) == sorted(both + [(n, 13) for n in range(3, 9)]) and eng.kernel_steps == 10
     eng.one_row_max_rows = 1  # as "auto" does above 8 rows: a call of more rows keeps its one-row steps on SDPA
     seen.clear()
     assert eng.generate(prompts, max_new_tokens=10, batch_size=2) == refs
