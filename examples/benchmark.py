@@ -85,17 +85,12 @@ def load_target(name, dtype, device):
         with torch.device(device):
             return Qwen3ForCausalLM(cfg).to(dtype).eval()
     if name == "smollm2-random":  # the reference target's shapes with random weights: step timings on a machine
-        # without the converted target (with --ignore_eos every row decodes the same tokens as any target would)
-        from transformers import LlamaConfig, LlamaForCausalLM
+        # without the converted target (with --ignore_eos every row decodes the same tokens as any target would);
+        # the random SmolLM2 of the GPU checks (trainer/gpu_check.py), with the reference's norm epsilon
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
+        from gpu_check import smollm2_shaped
 
-        from hf_carryover.reference import SMOLLM2_EXPECTED_CONFIG
-
-        torch.manual_seed(0)
-        shapes = {k: v for k, v in SMOLLM2_EXPECTED_CONFIG.items() if k != "model_type"}
-        cfg = LlamaConfig(**shapes, intermediate_size=1536, max_position_embeddings=8192, rope_theta=100000.0,
-                          rms_norm_eps=1e-5, eos_token_id=2, bos_token_id=1, pad_token_id=2)
-        with torch.device(device):
-            return LlamaForCausalLM(cfg).to(dtype).eval()
+        return smollm2_shaped(dtype, device, rms_norm_eps=1e-5)
     return evaluate_tau.load_target(name, dtype, device)  # "reference" or a model folder
 
 
