@@ -12,7 +12,8 @@ Methods (each skipped with a recorded reason when it cannot run here):
                       loop driving our drafter (DFlash drafters with a target-row mask; no Carryover there)
   engine_ar           hf_carryover.engine without a drafter (static caches; eager, or CUDA graphs with --cuda_graphs)
   engine_ar:<tag>     (--ar_variant TAG KEY=VALUE...) the same with its own engine options, e.g. plain steps on the
-                      Triton kernel (attention_min_rows=1)
+                      Triton kernel (attention_min_rows=1), or its own inductor options over --inductor's
+                      (compile_options={'coordinate_descent_tuning':True})
   engine:<name>       hf_carryover.engine with the drafter, at every --batch_sizes value (throughput; static
                       batches of b prompts; with --batching continuous, b rows refilled as they finish: @<b>c)
   engine_lookup:<name> (--lookup N) the engine with the drafter and context lookup of up to N tokens; a round in
@@ -166,9 +167,13 @@ def make_engine(target, drafter, max_len, profile=False, cuda_graphs=False, comp
     from hf_carryover.engine.engine import SpeculativeEngine
 
     options = {**(engine_options or {}), **(getattr(drafter, "_eval_engine", None) or {})}
+    own = options.pop("compile_options", None)  # an --ar_variant's inductor options, over --inductor's
+    if own is not None and not isinstance(own, dict):
+        raise SystemExit(f"compile_options={own!r}: expected a dict of inductor options, e.g. "
+                         "compile_options={'coordinate_descent_tuning':True}")
     engine = SpeculativeEngine(target, drafter, max_len=max_len, profile=profile, cuda_graphs=cuda_graphs,
-                               compile=compile, compile_options=compile_options, **options)
-    engine.options = options  # what run_engine records in each row
+                               compile=compile, compile_options={**(compile_options or {}), **(own or {})}, **options)
+    engine.options = {**options, **({"compile_options": own} if own else {})}  # what run_engine records in each row
     return engine
 
 
@@ -298,6 +303,8 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
     one_row_keys = engine.one_row_keys(batch)
     if one_row_keys:  # one-row steps on the kernel up to that many keys in use, then on SDPA
         res.update(attention_one_row_keys=one_row_keys, one_row_kernel_steps=on_kernel)
+    if engine.compile and engine.compile_options:  # --inductor's options with the row's own over them
+        res["compile_options"] = dict(engine.compile_options)
     settings = getattr(engine, "options", None)
     if settings:  # --engine_options and the drafter spec's engine keys (make_engine): the setting a row timed
         res["engine_options"] = dict(settings)
@@ -365,7 +372,8 @@ def main():
                    "attention_block_n=128); a drafter spec's own engine keys win; recorded as engine_options")
     p.add_argument("--ar_variant", nargs="+", action="append", default=[], metavar=("TAG", "KEY=VALUE"),
                    help="an engine AR row with its own engine options beside engine_ar, named engine_ar:TAG@b, e.g. "
-                   "--ar_variant kernel attention_min_rows=1 (plain steps on the Triton kernel; repeatable)")
+                   "--ar_variant kernel attention_min_rows=1 (plain steps on the Triton kernel; repeatable); "
+                   "compile_options={...} adds inductor options over --inductor's for that row")
     p.add_argument("--ignore_eos", action="store_true", help="engine rows decode max_new_tokens per prompt, past any "
                    "EOS, so the caches fill to a known length (e.g. one-row attention timed at 2000 keys in use); "
                    "only engine rows can (select them with --methods); recorded as ignore_eos")
@@ -498,8 +506,6 @@ def main():
         res = {"method": name, "dataset": dataset, "prompts": len(prompts), "temperature": T, **fn(prompts), **extra}
         if args.ignore_eos:
             res["ignore_eos"] = True
-        if compile_options and name.startswith("engine"):
-            res["compile_options"] = compile_options
         if load0 is not None:
             res["host_load"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
         return res

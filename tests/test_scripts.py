@@ -228,6 +228,27 @@ def test_benchmark_ar_variants_run_beside_engine_ar(tmp_path, monkeypatch, capsy
     assert by["engine_ar:blocking@1"]["tokens"] == by["engine_ar@1"]["tokens"] == 14
 
 
+def test_benchmark_ar_variant_inductor_options_go_over_the_global_ones():
+    """--ar_variant TAG compile_options={...}: that row's engine compiles with --inductor's options and the variant's
+    over them (e.g. coordinate-descent tuning beside the default, one call); the variant's own options are what its
+    row records as engine options; a value that is no dict is refused by name. Built, not run: the compile is lazy."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from benchmark import load_target, make_engine, parse_ar_variants
+
+    (tag, own), = parse_ar_variants([["cdt", "compile_options={'coordinate_descent_tuning':True,'freezing':False}"]]
+                                    ).items()
+    assert tag == "cdt" and own == {"compile_options": {"coordinate_descent_tuning": True, "freezing": False}}
+    target = load_target("tiny", torch.float32, "cpu")
+    glob = {"freezing": True, "fx_graph_cache": False}
+    engine = make_engine(target, None, 64, compile=True, compile_options=glob, engine_options=own)
+    assert engine.compile_options == {"freezing": False, "fx_graph_cache": False, "coordinate_descent_tuning": True}
+    assert engine.options == own and glob == {"freezing": True, "fx_graph_cache": False}
+    plain = make_engine(target, None, 64, compile=True, compile_options=glob)
+    assert plain.compile_options == glob and plain.options == {}
+    with pytest.raises(SystemExit, match="compile_options=3: expected a dict of inductor options"):
+        make_engine(target, None, 64, compile=True, compile_options=glob, engine_options={"compile_options": 3})
+
+
 def test_benchmark_inductor_options_are_parsed_and_need_compile(tmp_path, monkeypatch, capsys):
     """--inductor KEY=VALUE reaches the engine as compile_options (Python literals, dotted keys kept); a pair that is
     no KEY=literal, or --inductor without --compile, is refused with the reason."""
