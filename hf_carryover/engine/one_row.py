@@ -25,8 +25,12 @@ in one call):
     steps on the kernel), where the kernel for every step had lost 6.3 % on the H200;
   * batch 8, H200, continuous batching over 80 MT-Bench prompts (h200-2026-12-06): 1.7 % faster, 86 % of the steps
     on the kernel.
-Batches of 2 to 4 rows lie between the two timed sizes and were not timed themselves; calls of more than 8 rows keep
-one-row steps on SDPA under "auto" (untimed).
+  * batches of 2 and 4 rows, H100 (`examples/results/h100-2026-12-06`), continuous batching over 16 MT-Bench
+    prompts: a launched step 2.9 % and 2.6 % cheaper (tok/s +1.0 % and -0.2 %: the bf16 texts differ, and so does
+    how full the batch stayed).
+Calls of more than 8 rows keep one-row steps on SDPA under "auto": at 16 rows (H100, 48 MT-Bench prompts, three
+readings of each) the switch at 512 made a launched step 1.3-1.6 % dearer, though tok/s read 0.1-2.7 % higher from
+fuller batches of other bf16 texts.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from .attention import TRITON_SETTINGS
 
 
 AUTO_KEYS = 512  # "auto": the keys bound (module docstring)
-AUTO_MAX_ROWS = 8  # "auto": the largest call that switches (batch 1 and 8 timed; module docstring)
+AUTO_MAX_ROWS = 8  # "auto": the largest call that switches (1, 2, 4, 8 rows paid, 16 did not; module docstring)
 
 
 def resolve_keys(value, attention: str, auto_attention: bool, min_rows) -> tuple[int | None, int | None]:
