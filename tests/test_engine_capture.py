@@ -395,7 +395,8 @@ def test_compiled_round_equals_eager(typ, backend, monkeypatch):
 def test_gemv_rows_generates_one_row_gemms_as_reductions():
     """gemv_rows=1: a batch-1 plain step's frozen GEMMs (per layer q/k/v, o, gate/up, down; and the LM head) become
     inductor reductions instead of `extern_kernels.mm` calls, with the eager engine's tokens (float64: weights left
-    unpacked, as on CUDA, and the products summed in float64). With gemv_fusion=True (and "norms") the RMSNorm
+    unpacked, as on CUDA, and the products summed in float64), also with the weight first in each product (what
+    inductor's `triton.enable_pdl` asks of the rewrite). With gemv_fusion=True (and "norms") the RMSNorm
     before q/k/v, before gate/up and before the LM head is computed inside its reduction (2 a layer + 1); without it
     they stay outside. Two rows keep their GEMMs (M=2 > 1). Without freezing, or
     as anything but a whole number of rows, the option is refused by name. Every compiled engine here also runs the
@@ -409,9 +410,11 @@ def test_gemv_rows_generates_one_row_gemms_as_reductions():
     for rows, rewritten in ((prompts[:1], 4 * layers + 1), (prompts, 0)):
         ref = SpeculativeEngine(target, None, max_len=96).generate(rows, max_new_tokens=16)
         mms = []
-        for gemv_rows, fusion in ((0, True), (1, False), (1, True), (1, "norms")):
+        for gemv_rows, fusion, pdl in ((0, True, False), (1, False, False), (1, True, False), (1, "norms", False),
+                                       (1, False, True)):
+            options = {"freezing": True, "fx_graph_cache": False, **({"triton.enable_pdl": True} if pdl else {})}
             fast = SpeculativeEngine(target, None, max_len=96, compile=True, gemv_rows=gemv_rows, gemv_fusion=fusion,
-                                     compile_options={"freezing": True, "fx_graph_cache": False})
+                                     compile_options=options)
             out, codes = run_and_get_code(lambda: fast.generate(rows, max_new_tokens=16))
             assert out == ref
             mms.append(sum(c.count("extern_kernels.mm(") for c in codes))  # the round's and the row prefill's
@@ -420,8 +423,9 @@ def test_gemv_rows_generates_one_row_gemms_as_reductions():
             if gemv_rows:
                 record = fast.fused_projections.record()
                 assert record["gemvs"] == rewritten and record["gemv_fusion"] == fusion
+                assert record["gemv_weights_first"] == pdl  # the weight first in each product: the same tokens
                 assert record["gemv_norms"] == (2 * layers + 1 if fusion and rewritten else 0)
-        assert mms[0] - mms[1] == rewritten and mms[1] == mms[2] == mms[3]  # the prefill (many rows) keeps its GEMMs
+        assert mms[0] - mms[1] == rewritten and mms[1] == mms[2] == mms[3] == mms[4]  # the prefill keeps its GEMMs
     with pytest.raises(ValueError, match="gemv_rows=1 .*'freezing'"):
         SpeculativeEngine(target, None, max_len=96, compile=True, gemv_rows=1)
     # "auto" (the default): on only where timed, a CUDA target of hidden size <= 1024 with frozen weights and the

@@ -422,6 +422,81 @@ def test_kernel_census_counts_with_the_gpus_realization_rules(tmp_path):
     assert got["cpu"] == {"triton_per": 2, "triton_poi": 1}, got  # the negative control: the old count
 
 
+_PDL_PROBE = """
+import re
+import sys
+import torch
+import kernel_census as kc
+import torch._inductor.codegen.triton as tri
+
+kc._codegen_only()
+if not hasattr(tri.TritonKernel, "_enable_pdl_codegen"):
+    print("no PDL in this inductor")
+    raise SystemExit(0)
+tri.TritonKernel._enable_pdl_codegen = staticmethod(lambda: True)  # inductor's PDL code, as for a Hopper GPU
+from conftest import build_target
+from hf_carryover.engine.engine import SpeculativeEngine
+
+options = {"freezing": True, **({"triton.enable_pdl": True} if sys.argv[1] == "pdl" else {})}
+engine = SpeculativeEngine(build_target("llama", seed=3, num_layers=2), None, max_len=64, compile=True,
+                           compile_options=options, gemv_rows=1)
+engine.row_prefill = False
+
+def stop(st):
+    raise kc._Stop
+
+engine.round_hook = stop
+with kc.written_code() as paths:
+    try:
+        with torch.no_grad():
+            engine.generate([[3, 7, 11, 5]], max_new_tokens=4)
+    except kc._Stop:
+        pass
+# one-row GEMV kernels (reductions with loads indexed by output column and input width: the weight's) by where their
+# wait is: before every load ("entry": inductor's choice after a kernel it did not generate, e.g. attention), after all
+# weight loads ("before"), or between ("after")
+entry = before = after = 0
+for path in paths:
+    for src in re.split(r"@triton\\.jit", open(path).read())[1:]:
+        lines = src.splitlines()
+        waits = [i for i, l in enumerate(lines) if "gdc_wait" in l]
+        loads = [i for i, l in enumerate(lines) if "tl.load(" in l]
+        weights = [i for i in loads if "r0_" in lines[i] and re.search(r"\\bx\\d", lines[i])]
+        if "tl.sum" in src and waits and weights:
+            entry += waits[0] < loads[0]
+            before += loads[0] < waits[0] and max(weights) < waits[0]
+            after += loads[0] < waits[0] < max(weights)
+print({"entry": entry, "before": before, "after": after, "weights_first": engine.fused_projections.weights_first})
+"""
+
+
+def test_gemv_weights_load_ahead_of_the_pdl_wait(tmp_path):
+    """With inductor's programmatic dependent launch (`triton.enable_pdl`) the GEMV rewrite puts the weight first in
+    each product, so in the generated one-row GEMVs the weight's loads come before the kernel's wait on the kernel
+    ahead of it: they can overlap it. Inductor waits before every load after a kernel it did not generate (here
+    attention, ahead of each o_proj); those are left as they are. Without the option (the negative control: the same
+    PDL code generation, forced on for this CPU) the input comes first, and weight loads come after the wait. Code
+    generation only, as in examples/kernel_census.py; the order changes no number (the products commute exactly)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in (ROOT / "examples", ROOT / "tests", ROOT)),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ind"), "OMP_NUM_THREADS": "1"}
+    got = {}
+    for mode in ("pdl", "plain"):
+        res = subprocess.run([sys.executable, "-c", _PDL_PROBE, mode], env=env, capture_output=True, text=True,
+                             cwd=tmp_path)
+        assert res.returncode == 0, res.stderr[-2000:]
+        last = res.stdout.strip().splitlines()[-1]
+        if last == "no PDL in this inductor":
+            pytest.skip(last)
+        got[mode] = eval(last)  # noqa: S307  (a dict the probe printed)
+    layers = 2
+    assert got["pdl"]["weights_first"] and not got["plain"]["weights_first"]
+    assert got["pdl"]["before"] >= 3 * layers and got["pdl"]["after"] == 0, got  # q/k/v, gate/up, down a layer
+    assert got["pdl"]["entry"] == layers, got  # each o_proj, after attention
+    assert got["plain"]["after"] > 0 and got["plain"]["before"] == 0, got  # (a GEMV whose input loads first waits
+    # at entry, where that input is what the kernel ahead wrote)
+
+
 def test_pass_determinism_flags_rows_whose_passes_decoded_different_tokens(tmp_path, capsys):
     """examples/pass_determinism.py: a row timed in several passes is flagged when their token counts differ; rows of
     one pass and rows without a pass field are left out; passes are compared per file, method and dataset."""

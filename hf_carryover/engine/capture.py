@@ -32,6 +32,16 @@ def runs_own_pass(compile, compile_options: dict) -> bool:
             and "post_grad_custom_pre_pass" not in compile_options)
 
 
+def pdl_on(compile_options: dict) -> bool:
+    """Whether inductor generates kernels with programmatic dependent launch: `triton.enable_pdl` in the options, else
+    inductor's own setting (its environment variable TORCHINDUCTOR_ENABLE_PDL). It takes effect on CUDA devices of
+    compute capability 9 and newer; elsewhere inductor leaves it out, and the weights-first order it asks of the
+    GEMV rewrite (`fuse_projections.py`) changes nothing but the order of two loads."""
+    import torch._inductor.config as inductor_config
+
+    return bool(compile_options.get("triton.enable_pdl", getattr(inductor_config.triton, "enable_pdl", False)))
+
+
 def auto_gemv_rows(compile, device, compile_options: dict, config) -> int:
     """`gemv_rows="auto"`: 1 (batch-1 plain steps' GEMMs as generated reductions) only where it was timed faster, a
     CUDA target of hidden size <= 1024 where the engine's own pass runs (`runs_own_pass`); else 0."""
@@ -72,7 +82,8 @@ class CapturedRounds:
         self.fused_projections = None
         self._inductor_patch = dict(self.compile_options)  # what `_compiled` sets: the options, and the pass
         if runs_own_pass(compile, self.compile_options):
-            self.fused_projections = FuseSharedInputMatmuls(gemv_rows=gemv_rows, gemv_fusion=gemv_fusion)
+            self.fused_projections = FuseSharedInputMatmuls(gemv_rows=gemv_rows, gemv_fusion=gemv_fusion,
+                                                            weights_first=pdl_on(self.compile_options))
             self._inductor_patch["post_grad_custom_pre_pass"] = self.fused_projections
         self._compiled_round = self._compiled(self._round) if compile else None
         self._compiled_tree_round = None  # compiled on first use of a tree

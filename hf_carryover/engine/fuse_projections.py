@@ -27,6 +27,13 @@ default) also folds the RMSNorm before such a GEMM into it, and splits a merged 
 `_equal_slices`): fewer kernels, but on an H100 a slower step (0.960 -> 1.034 ms, examples/results/h100-2026-12-05d).
 `gemv_fusion="norms"` folds the norms only.
 
+With inductor's programmatic dependent launch on (`compile_options={"triton.enable_pdl": True}`; Hopper and newer)
+each generated kernel may start while the one before it finishes, and waits (`gdc_wait`) before its first read of what
+that kernel wrote. The rewrite then puts the weight first in each product (`weights_first`), so inductor emits the
+weight's load, the kernel's largest and never written by the graph, ahead of that wait; otherwise it comes after the
+input's loads and so after the wait. The products are the same numbers either way (multiplication commutes exactly).
+Not timed yet.
+
 The pass also writes RoPE's `rotate_half` concatenations as indexing (`rotate_half.py`), in every frozen graph.
 """
 from __future__ import annotations
@@ -52,11 +59,12 @@ class FuseSharedInputMatmuls(CustomGraphPass):
     the graphs it has seen. A graph inductor does not compile again (taken from one of its caches) does not pass
     through it, so both can read 0 while the loaded code is merged all the same (the H200 rows of 2026-12-05 read 0)."""
 
-    def __init__(self, gemv_rows: int = 0, gemv_fusion: bool | str = False):
+    def __init__(self, gemv_rows: int = 0, gemv_fusion: bool | str = False, weights_first: bool = False):
         self.fused = 0
         self.graphs = 0
         self.gemv_rows = int(gemv_rows)
         self.gemv_fusion = gemv_fusion if gemv_fusion == "norms" else bool(gemv_fusion)
+        self.weights_first = bool(weights_first)  # the weight's load ahead of PDL's wait (module docstring)
         self.gemvs = 0  # mm nodes rewritten as reductions (gemv_rows), over every graph seen
         self.gemv_norms = 0  # of them, those with their RMSNorm folded in (gemv_fusion)
         self.rotations = 0  # RoPE rotate_half concatenations written as indexing (`rotate_half.py`)
@@ -69,14 +77,15 @@ class FuseSharedInputMatmuls(CustomGraphPass):
         res = {"fused_gemms": self.fused if seen else None, "rope_rotations": self.rotations if seen else None}
         if self.gemv_rows:
             res.update(gemv_rows=self.gemv_rows, gemvs=self.gemvs if seen else None, gemv_fusion=self.gemv_fusion,
-                       gemv_norms=self.gemv_norms if seen else None)
+                       gemv_norms=self.gemv_norms if seen else None, gemv_weights_first=self.weights_first)
         return res
 
     def uuid(self):  # the FX graph cache's key: this file's code and the options that change what it does
         if get_hash_for_files is None:
             return None
         code = get_hash_for_files((__file__, rotate_half.__file__, fx_nodes.__file__))
-        return (code.hex() if isinstance(code, bytes) else str(code), self.gemv_rows, self.gemv_fusion)
+        return (code.hex() if isinstance(code, bytes) else str(code), self.gemv_rows, self.gemv_fusion,
+                self.weights_first)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         gm = graph.owning_module
@@ -102,7 +111,7 @@ class FuseSharedInputMatmuls(CustomGraphPass):
         self.rotations += rotate_half.rotate_half_without_cat(graph)
         if self.gemv_rows:
             gemvs, norms = _as_reductions(graph, self.gemv_rows, fold=bool(self.gemv_fusion),
-                                          split=self.gemv_fusion is True)
+                                          split=self.gemv_fusion is True, weights_first=self.weights_first)
             self.gemvs += gemvs
             self.gemv_norms += norms
         graph.lint()
@@ -139,11 +148,14 @@ class FuseSharedInputMatmuls(CustomGraphPass):
                     delattr(gm, w.target)
 
 
-def _as_reductions(graph, rows: int, fold: bool = False, split: bool = False) -> tuple[int, int]:
+def _as_reductions(graph, rows: int, fold: bool = False, split: bool = False,
+                   weights_first: bool = False) -> tuple[int, int]:
     """Rewrite `mm(x [M, K], W [K, N])` with a constant W and M <= rows as `sum(x[:, :, None] * W[None], 1)` in float32
     (float64 for float64 models), cast back to the mm's dtype. With `fold`, an RMSNorm that makes x is computed inside
     the reduction (`_rms_norm`); with `split` (and fold), an mm read only through column slices of one width (gate/up)
-    becomes one reduction per slice. Returns (GEMMs rewritten, norms folded).
+    becomes one reduction per slice. With `weights_first` the product is `W[None] * x[:, :, None]`: inductor emits
+    loads in the order a product reads its operands, so W's load comes ahead of PDL's wait (module docstring).
+    Returns (GEMMs rewritten, norms folded).
 
     Why both can be chosen: on the CPU proxy (`examples/kernel_census.py`), folding kept q/k/v's reduction persistent
     (K loaded once), while the split gate/up, its norm recomputed per slice, became a looped reduction (three sums over
@@ -174,7 +186,8 @@ def _as_reductions(graph, rows: int, fold: bool = False, split: bool = False) ->
                 wp = w32 if pieces is None else call(torch.ops.aten.slice.Tensor, w32, 1, start, end)  # [K, n]
                 if norm is not None:  # the normalised input again for every output column (a [M, K, n] expression)
                     x3 = call(torch.ops.prims.convert_element_type.default, norm(call, end - start), acc)
-                prod = call(torch.ops.aten.mul.Tensor, x3, call(torch.ops.aten.unsqueeze.default, wp, 0))
+                w3 = call(torch.ops.aten.unsqueeze.default, wp, 0)  # [1, K, n]
+                prod = call(torch.ops.aten.mul.Tensor, *((w3, x3) if weights_first else (x3, w3)))
                 out = call(torch.ops.prims.convert_element_type.default,
                            call(torch.ops.aten.sum.dim_IntList, prod, [1]), dtype)  # [M, K, n] -> [M, n]
                 piece.replace_all_uses_with(out)
