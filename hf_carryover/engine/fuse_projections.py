@@ -31,7 +31,8 @@ With inductor's programmatic dependent launch on (`compile_options={"triton.enab
 each generated kernel may start while the one before it finishes, and waits (`gdc_wait`) before its first read of what
 that kernel wrote. The rewrite then puts the weight first in each product (`weights_first`), so inductor emits the
 weight's load, the kernel's largest and never written by the graph, ahead of that wait; otherwise it comes after the
-input's loads and so after the wait. The products are the same numbers either way (multiplication commutes exactly).
+input's loads and so after the wait. A kernel after one inductor did not generate (each o_proj, after attention) waits
+before every load either way. The products are the same numbers either way (multiplication commutes exactly).
 Not timed yet.
 
 The pass also writes RoPE's `rotate_half` concatenations as indexing (`rotate_half.py`), in every frozen graph.
