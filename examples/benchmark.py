@@ -51,7 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import evaluate_tau  # noqa: E402
-from evaluate_tau import environment, load_drafters, load_prompts  # noqa: E402
+from evaluate_tau import INDUCTOR_PREFIX, environment, load_drafters, load_prompts, parse_spec  # noqa: E402
 
 
 def _sync():
@@ -167,7 +167,7 @@ def make_engine(target, drafter, max_len, profile=False, cuda_graphs=False, comp
     from hf_carryover.engine.engine import SpeculativeEngine
 
     options = {**(engine_options or {}), **(getattr(drafter, "_eval_engine", None) or {})}
-    own = options.pop("compile_options", None)  # an --ar_variant's inductor options, over --inductor's
+    own = options.pop("compile_options", None)  # an --ar_variant's or a spec's (inductor.KEY) inductor options
     if own is not None and not isinstance(own, dict):
         raise SystemExit(f"compile_options={own!r}: expected a dict of inductor options, e.g. "
                          "compile_options={'coordinate_descent_tuning':True}")
@@ -328,7 +328,9 @@ def main():
     p.add_argument("--target", default="reference", help="'reference' (SmolLM2-135M-Instruct), a model folder, or "
                    "random weights for timings: 'smollm2-random' (the reference's shapes, with --ignore_eos), "
                    "'qwen3-4b-random' (a projection)")
-    p.add_argument("--drafters", nargs="*", default=[])
+    p.add_argument("--drafters", nargs="*", default=[], metavar="NAME=FOLDER[,KEY=VALUE...]",
+                   help="drafters to time (evaluate_tau's specs): KEY a config field, an engine key (ENGINE_KEYS) or "
+                   "inductor.KEY, an inductor option of that drafter's engine over --inductor's (needs --compile)")
     p.add_argument("--datasets", nargs="+", default=["mtbench", "humaneval"])
     p.add_argument("--prompts_dir", default="assets/prompts")
     p.add_argument("--limit", type=int, default=10)
@@ -386,6 +388,9 @@ def main():
     ar_variants = parse_ar_variants(args.ar_variant)
     if compile_options and not args.compile:
         p.error("--inductor sets options of the compiled rounds: it needs --compile")
+    own_inductor = [d for d in args.drafters if any(k.startswith(INDUCTOR_PREFIX) for k in parse_spec(d)[2])]
+    if own_inductor and not args.compile:
+        p.error(f"{own_inductor}: {INDUCTOR_PREFIX}KEY=VALUE sets options of the compiled rounds: it needs --compile")
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

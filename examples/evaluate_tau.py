@@ -54,6 +54,10 @@ ENGINE_KEYS = ("lookup_siblings", "lookup_confidence", "lookup_min_ngram", "atte
                "attention_block_n", "attention_warps", "attention_split_n", "attention_block_m", "attention_min_rows",
                "run_ahead", "tree_topk", "drafter_attention", "rope_table", "dynamic_prefill", "prefill_ahead",
                "gemv_rows", "gemv_fusion", "attention_one_row_keys")
+# `inductor.KEY=VALUE` in a spec: an inductor option of that drafter's compiled engine (benchmark.py --compile), e.g.
+# `pdl=FOLDER,inductor.triton.enable_pdl=true`. Why: options that change every kernel (PDL) are timed on tree rows
+# beside the default in one process, as --ar_variant's compile_options does for plain rows.
+INDUCTOR_PREFIX = "inductor."
 
 
 def load_drafters(specs, dtype, device):
@@ -67,6 +71,10 @@ def load_drafters(specs, dtype, device):
         name, path, overrides, lookup = parse_spec(spec)
         tree = {k: overrides.pop(k) for k in ("tree", "tree_nodes") if k in overrides}
         engine_kw = {k: overrides.pop(k) for k in ENGINE_KEYS if k in overrides}
+        inductor = {k[len(INDUCTOR_PREFIX):]: overrides.pop(k) for k in list(overrides)
+                    if k.startswith(INDUCTOR_PREFIX)}
+        if inductor:  # benchmark.py's make_engine puts these over --inductor's for this drafter's engines
+            engine_kw["compile_options"] = inductor
         drafters[name] = AutoModel.from_pretrained(path, trust_remote_code=True, dtype=dtype,
                                                    **overrides).to(device).eval()
         drafters[name]._eval_lookup = lookup
@@ -81,7 +89,7 @@ def parse_spec(spec: str):
     (verify a draft tree from `examples/calibrate_tree.py`, N nodes per round: in the engine, or through generate()
     with `drafter.use_draft_tree`), which stay in the overrides until `load_drafters` takes them out; so do
     `lookup_siblings=false`, `lookup_confidence=P` and `lookup_min_ngram=N` (`ENGINE_KEYS`, `SpeculativeEngine`
-    arguments, --engine only)."""
+    arguments, --engine only), and `inductor.KEY=VALUE` (benchmark.py --compile only)."""
     name, rest = spec.split("=", 1)
     path, *pairs = rest.split(",")
     overrides = {k: _value(v) for k, v in (p.split("=", 1) for p in pairs)}
@@ -304,6 +312,10 @@ def main():
         given = sorted({k for d in engine_only for k in parse_spec(d)[2]} & set(ENGINE_KEYS))
         raise SystemExit(f"{engine_only}: {'/'.join(given)} (of {'/'.join(ENGINE_KEYS)}) are SpeculativeEngine "
                          "arguments: they need --engine")
+    compiled_only = [d for d in args.drafters if any(k.startswith(INDUCTOR_PREFIX) for k in parse_spec(d)[2])]
+    if compiled_only and not args.summarize_only:
+        raise SystemExit(f"{compiled_only}: {INDUCTOR_PREFIX}KEY=VALUE sets an option of a compiled engine; this "
+                         "script's engine is not compiled (examples/benchmark.py --compile takes them)")
     if looked and args.offline:
         raise SystemExit(f"{looked}: context lookup (lookup=N) runs through generate() and the engine; the offline "
                          "replay has no lookup yet (examples/lookup_hybrid_offline.py replays it at T=0)")

@@ -12,6 +12,8 @@ idle in a static batch while its slowest row decodes) and a factor of what one r
 
     python examples/round_cost.py examples/results/h200-2026-12-04d/engine_call4/bench_raw.jsonl \
         --pair "engine_tree_lookup31:new@1:engine_tree_lookup31:scan@1"
+    python examples/round_cost.py pdl/bench_raw.jsonl default/bench_raw.jsonl \
+        --pair "0/engine_tree_lookup31:new@1:1/engine_tree_lookup31:new@1"   # one method, two calls' files
 
 With --prompts_dir (the prompt files the rows decoded, `assets/prompts`), plain decoding rows also get the keys their
 steps attended to: a prompt of p tokens whose output has n tokens took n - 1 steps (its first token came from the
@@ -99,17 +101,23 @@ def table(rows, pairs=()) -> str:
         lines += ["", "| file | dataset | A | B | tok/s A / B | = τ factor | × round factor | = tokens a row round "
                   "factor | × fill factor | × launched-round factor |", "|---|---|---|---|---|---|---|---|---|---|"]
         for a_name, b_name in pairs:
+            (fa, a_method), (fb, b_method) = file_of(a_name), file_of(b_name)
             for ds in dict.fromkeys(r["dataset"] for r in rows):
-                for key in sorted({(r["file"], r.get("pass")) for r in rows}, key=lambda k: (k[0], k[1] or 0)):
-                    a = next((r for r in rows if (r["file"], r.get("pass")) == key and r["dataset"] == ds
-                              and r["method"] == a_name), None)
-                    b = next((r for r in rows if (r["file"], r.get("pass")) == key and r["dataset"] == ds
-                              and r["method"] == b_name), None)
+                # rows of one file (and pass) against each other, or of the two files the pair names
+                keys = ([(f, p, f, p) for f, p in sorted({(r["file"], r.get("pass")) for r in rows},
+                                                         key=lambda k: (k[0], k[1] or 0))] if fa is None else
+                        [(fa, p, fb, p) for p in dict.fromkeys(r.get("pass") for r in rows)])
+                for ka, pa, kb, pb in keys:
+                    a = next((r for r in rows if (r["file"], r.get("pass")) == (ka, pa) and r["dataset"] == ds
+                              and r["method"] == a_method), None)
+                    b = next((r for r in rows if (r["file"], r.get("pass")) == (kb, pb) and r["dataset"] == ds
+                              and r["method"] == b_method), None)
                     if a and b:
                         s = split_ratio(a, b)
                         more = (" | ".join(f"{s[k]:.3f}" for k in ("row_tokens", "fill", "launched"))
                                 if "fill" in s else "– | – | –")
-                        lines.append(f"| {key[0]} | {ds} | {a_name} | {b_name} | {s['speed']:.3f} | {s['tau']:.3f} | "
+                        where = ka if fa is None else f"{ka}:{kb}"
+                        lines.append(f"| {where} | {ds} | {a_name} | {b_name} | {s['speed']:.3f} | {s['tau']:.3f} | "
                                      f"{s['round']:.3f} | {more} |")
     return "\n".join(lines) + "\n"
 
@@ -122,21 +130,31 @@ def emit(text: str, out=None) -> str:
     return text
 
 
+def file_of(name: str):
+    """"N/METHOD" -> (N, METHOD): the row of file N (the N-th raw file given, from 0); "METHOD" -> (None, METHOD)."""
+    head, sep, rest = name.partition("/")
+    return (int(head), rest) if sep and head.isdigit() else (None, name)
+
+
 def parse_pair(text: str):
     """"A:B" with method names that themselves hold ':' ("engine_tree_lookup31:new@1") -> (A, B): the split is at the
-    ':' after the first '@<batch>'."""
+    ':' after the first '@<batch>'. Both sides may name their file ("1/engine_ar@1:0/engine_ar@1"): why, rows that
+    differ in a flag of the whole benchmark call (--inductor) come from two calls, hence two files, under one name."""
     at = text.find("@")
     cut = text.find(":", at) if at >= 0 else text.find(":")
     if at < 0 or cut < 0:
         raise ValueError(f"--pair {text!r}: 'METHOD@B:METHOD@B', e.g. engine_tree_lookup31:new@1:engine_ar@1")
-    return text[:cut], text[cut + 1:]
+    a, b = text[:cut], text[cut + 1:]
+    if (file_of(a)[0] is None) != (file_of(b)[0] is None):
+        raise ValueError(f"--pair {text!r}: name the file of both sides (N/METHOD@B) or of neither")
+    return a, b
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("raw", nargs="+", help="bench_raw.jsonl files")
     p.add_argument("--pair", action="append", default=[], help="A:B, two methods to split the speed ratio of, per "
-                   "dataset, file and pass (rows of one file only)")
+                   "dataset, file and pass (rows of one file); N/METHOD@B:M/METHOD@B pairs file N's row with file M's")
     p.add_argument("--prompts_dir", help="the prompt files the rows decoded (assets/prompts): plain decoding rows "
                    "also get their steps' keys in use")
     p.add_argument("--out", help="also write the table here")

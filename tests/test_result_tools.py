@@ -116,6 +116,16 @@ def test_round_cost_splits_a_speed_ratio_into_tau_and_round_cost(tmp_path):
                             "--out", str(tmp_path / "t.md")])
     assert "| 0 | d | engine_tree_lookup31:new@1 | engine_tree_lookup31:old@1 | 1.260 | 1.125 | 1.120 | – | – | – |" in text
     assert (tmp_path / "t.md").read_text() == text
+    # one method in two files (two calls that differ in a global flag): paired only when each side names its file
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({**rows[2], "method": "engine_tree_lookup31:new@1"}) + "\n")
+    assert "| 1:0 |" not in round_cost.main([str(raw), str(other), "--pair",
+                                             "engine_tree_lookup31:new@1:engine_tree_lookup31:new@1"])
+    text = round_cost.main([str(raw), str(other), "--pair",
+                            "0/engine_tree_lookup31:new@1:1/engine_tree_lookup31:new@1"])
+    assert "| 0:1 | d | 0/engine_tree_lookup31:new@1 | 1/engine_tree_lookup31:new@1 | 1.260 | 1.125 | 1.120 |" in text
+    with pytest.raises(ValueError, match="both sides"):
+        round_cost.parse_pair("0/engine_ar@1:engine_ar@1")
 
 
 def test_round_cost_counts_the_keys_plain_steps_attended_to(tmp_path):

@@ -294,6 +294,39 @@ def test_benchmark_passes_a_specs_engine_keys_and_records_them(tmp_path):
     assert [k for k in ENGINE_KEYS if k not in params] == []
 
 
+def test_benchmark_spec_inductor_keys_compile_that_drafters_engine_with_them(tmp_path, monkeypatch, capsys):
+    """`NAME=FOLDER,inductor.KEY=VALUE` in --drafters: that drafter's engine compiles with --inductor's options and the
+    spec's over them (a tree row with PDL beside one without, in one process); the other spec of the same folder keeps
+    --inductor's alone. Such a key needs --compile (benchmark.py) and is refused by evaluate_tau.py, whose engine is
+    not compiled. Built, not run: the compile is lazy."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from benchmark import load_target, make_engine
+    from evaluate_tau import load_drafters
+
+    target = load_target("tiny", torch.float32, "cpu")
+    build_drafter(target, "dflash", True).save_pretrained(tmp_path / "d")
+    drafters = load_drafters([f"a={tmp_path / 'd'}",
+                              f"pdl={tmp_path / 'd'},inductor.triton.enable_pdl=true,inductor.freezing=false"],
+                             torch.float32, "cpu")
+    assert drafters["pdl"]._eval_engine == {"compile_options": {"triton.enable_pdl": True, "freezing": False}}
+    glob = {"freezing": True, "fx_graph_cache": False}
+    engines = {n: make_engine(target, d, 64, compile=True, compile_options=glob) for n, d in drafters.items()}
+    assert engines["a"].compile_options == glob and engines["a"].options == {}
+    assert engines["pdl"].compile_options == {"freezing": False, "fx_graph_cache": False, "triton.enable_pdl": True}
+    assert engines["pdl"].options == {"compile_options": {"triton.enable_pdl": True, "freezing": False}}
+    assert glob == {"freezing": True, "fx_graph_cache": False}
+    spec = f"pdl={tmp_path / 'd'},inductor.triton.enable_pdl=true"
+    with pytest.raises(SystemExit) as refused:
+        _in_process(monkeypatch, ROOT / "examples" / "benchmark.py", ["--target", "tiny", "--drafters", spec,
+                                                                      "--out", tmp_path / "x"], tmp_path)
+    assert refused.value.code not in (0, None) and "inductor.KEY=VALUE sets options of the compiled rounds: it needs " \
+        "--compile" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:
+        _in_process(monkeypatch, ROOT / "examples" / "evaluate_tau.py", ["--drafters", spec, "--engine",
+                                                                         "--out", tmp_path / "y"], tmp_path)
+    assert "engine is not compiled (examples/benchmark.py --compile takes them)" in str(refused.value.code)
+
+
 def test_benchmark_engine_rows_split_a_batch_into_launched_rounds_and_row_rounds():
     """At batch 2, static batches, with an EOS that ends one row early: `row_rounds` is every row's rounds (plain
     decoding: its steps), `launched_rounds` the rounds the batches ran (the engine's own count: each batch as long as

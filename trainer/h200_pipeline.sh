@@ -701,7 +701,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
       flush; return
     fi
     IFS='|' read -r m d ds fl box <<< "$3"; D=""
-    for n in $d; do  # NAME (a stashed drafter), or LABEL=NAME[,engine keys] (resolve_drafter), e.g. a setting beside it
+    for n in $d; do  # NAME (a stashed drafter), or LABEL=NAME[,engine keys or inductor.KEY=VALUE] (resolve_drafter)
       if [[ $n == *=* ]]; then D="$D $(resolve_drafter $n)"; else D="$D $n=$(drafter_dir $n)"; fi; done
     CUDA_VISIBLE_DEVICES=$(gpu $1) timeout $(call_box ${box:-${ENGINE_BOX:-300}}) $(pin $1) python3 examples/benchmark.py --target $S/target --prompts_dir $A/prompts \
       --methods $m ${D:+--drafters $D} --datasets $ds --limit ${VLLM_LIMIT:-10} --max_new_tokens ${VLLM_MAX_NEW:-256} \

@@ -136,7 +136,9 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
         engine after changing them. Their tokens are compared with eager decoding as for any compiled round (tested on
         CPU). {"triton.enable_pdl": True}: inductor's programmatic dependent launch (Hopper and newer), each generated
         kernel starting while the one before it finishes; `gemv_rows` then loads each weight ahead of the kernel's wait
-        where inductor lets a load precede it (`fuse_projections.py`). Not timed yet, so not a default.
+        where inductor lets a load precede it (`fuse_projections.py`). Not a default: on an H100 it made a plain
+        step 3.9 % cheaper and a tree round 3.9 % dearer, and changed the bf16 texts
+        (`examples/results/h100-2026-12-06b`).
 
         lookup_skips_drafter=True (with context lookup): a round in which every unfinished row looks up runs without
         the drafter (its drafted block would be discarded anyway; output and rounds are the same either way, tested).
