@@ -66,6 +66,25 @@ def test_call_box_cuts_a_job_to_the_time_left_in_the_device_call(tmp_path):
     assert len(boxes) >= 20 and all(b == "$(call_box" for b in boxes), boxes
 
 
+def test_a_compiled_job_whose_box_is_too_short_is_not_started(tmp_path):
+    """too_short: a compiled job (--compile in its flags) is skipped, with a log line, when its box as call_box would cut
+    it is under ENGINE_MIN_BOX (150 s): such a row cannot finish (12-06b: three jobs at 95-120 s gave no row). An
+    uncompiled job, a long enough box, or a lower ENGINE_MIN_BOX runs; the engine jobs ask it before they start."""
+    harness = "\n".join([
+        "set -euo pipefail", 'log() { echo "[log] $*"; }', _functions("too_short"),
+        'run() { if too_short "$@"; then echo skip; else echo run; fi; }',
+        'SECONDS=0; run 120 "--compile --limit 20"; run 200 "--compile --limit 20"; run 60 "--limit 20"',
+        'run 120 "--compiled_x"; SECONDS=450; run 200 "--limit 5 --compile"',
+        'SECONDS=0; ENGINE_MIN_BOX=100; run 120 "--compile"'])
+    r = subprocess.run(["bash", "-c", harness], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    said = [line for line in r.stdout.splitlines() if not line.startswith("[log]")]
+    assert said == ["skip", "run", "run", "run", "skip", "run"], r.stdout
+    assert "its box would be 120 s, under ENGINE_MIN_BOX=150 s" in r.stdout
+    assert "its box would be 135 s" in r.stdout  # cut to the call's time left (600 - 450 - 15)
+    assert 'too_short ${box:-${ENGINE_BOX:-300}} "$fl ${ENGINE_FLAGS:-}" && { flush; return; }' in SCRIPT.read_text()
+
+
 def _bash(tmp_path, *lines):
     harness = "\n".join(["set -euo pipefail", 'log() { echo "[log] $*"; }', _functions("pack_cache", "unpack_cache"),
                          *lines])

@@ -134,6 +134,16 @@ call_box() {  # call_box SECONDS: that time box, cut to what is left of the devi
     echo $(( left > 1 ? left : 1 ))
   else echo "$1"; fi
 }
+too_short() {  # too_short SECONDS FLAGS: true (and logged) for a compiled job (FLAGS hold --compile) whose box, as
+  # call_box would cut it, is under ENGINE_MIN_BOX (default 150 s), so the job is not started. Why: a compiled row took
+  # 106-186 s in h100-2026-12-06b, warm inductor cache included, and a call of three jobs boxed at 95-120 s ran all
+  # three into their boxes and returned no row (316 s of device time); a skipped job returns the call that much sooner.
+  [[ " $2 " == *" --compile "* ]] || return 1
+  local b=$1 left=$(( ${CALL_SECONDS:-600} - SECONDS - 15 ))
+  [ "$b" -gt "$left" ] && b=$left
+  [ "$b" -lt "${ENGINE_MIN_BOX:-150}" ] || return 1
+  log "compiled job not started: its box would be $b s, under ENGINE_MIN_BOX=${ENGINE_MIN_BOX:-150} s"
+}
 pack_cache() {  # pack_cache: ~/assets/inductor as gzip tar parts of PACK_PART_MB (15) MiB into $OUT/inductor.tgz.part*,
   # at most PACK_PARTS (4) of them (a larger cache stays behind, logged); off unless PACK_CACHE=1: in 12-04e the caches
   # were 246-481 MiB, never returned, and packing them cost device time every call. Carry parts that do come back as
@@ -617,7 +627,8 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
   # separated by ';'. A job is "METHODS|DRAFTERS|DATASETS|FLAGS": benchmark.py methods, drafter names (from
   # ~/assets/drafters, stashed by vllmstash carrying .vllm/drafters, else runs/NAME/final), datasets, flags that
   # override the defaults below (e.g. --compile, --limit 32 --batch_sizes 1 2 4 8 16, --temperature 1) and an optional
-  # fifth field, the job's time box in seconds (default ENGINE_BOX; cut by call_box to the call's time left). The job
+  # fifth field, the job's time box in seconds (default ENGINE_BOX; cut by call_box to the call's time left; a compiled
+  # job whose box comes out under ENGINE_MIN_BOX, 150 s, is not started: too_short). The job
   # "profile" splits a generate() round's time on the GPU (examples/profile_generate.py --device cuda); the job
   # "attnbench" times one layer's attention per way of calling it (trainer/gpu_attention_bench.py); the job
   # "engprofile" splits a captured engine round's (examples/profile_engine.py, PROFILE_* below); the job
@@ -701,6 +712,7 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
       flush; return
     fi
     IFS='|' read -r m d ds fl box <<< "$3"; D=""
+    too_short ${box:-${ENGINE_BOX:-300}} "$fl ${ENGINE_FLAGS:-}" && { flush; return; }
     for n in $d; do  # NAME (a stashed drafter), or LABEL=NAME[,engine keys or inductor.KEY=VALUE] (resolve_drafter)
       if [[ $n == *=* ]]; then D="$D $(resolve_drafter $n)"; else D="$D $n=$(drafter_dir $n)"; fi; done
     CUDA_VISIBLE_DEVICES=$(gpu $1) timeout $(call_box ${box:-${ENGINE_BOX:-300}}) $(pin $1) python3 examples/benchmark.py --target $S/target --prompts_dir $A/prompts \
