@@ -162,7 +162,8 @@ def main():
                        # the same text, a proposal counted only where the loaded target's argmax names it too
                        teacher_forced_run_recorded_text_target_verified=statistics.mean(run_rec_verified),
                        recorded_text_not_argmax=statistics.mean(x["recorded_text_not_argmax"] for x in with_rec),
-                       recorded_text_repeated_4grams=statistics.mean(x["recorded_text_repeated_4grams"] for x in with_rec),
+                       recorded_text_repeated_4grams=statistics.mean(x["recorded_text_repeated_4grams"]
+                                                                     for x in with_rec),
                        recorded_text_higher_on=sum(x["run_recorded_text"] > x["run_fp32_text"] for x in with_rec),
                        median_common_prefix_tokens=statistics.median(x["common_prefix_tokens"] for x in with_rec))
     summary["fp32_text_not_argmax"] = statistics.mean(x["fp32_text_not_argmax"] for x in per_prompt)

@@ -239,7 +239,8 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
     compiled once, not once per dataset (and torch.compile stays far below its recompile limit). `skip_drafter`:
     the engine's `lookup_skips_drafter` for this row (False: the drafter runs in every round, looked up or not).
     continuous=True: all prompts in one call through `batch` rows refilled as they finish (`batch_size`), the way a
-    server keeps its batch full; otherwise static batches of `batch` prompts, each lasting as long as its slowest row."""
+    server keeps its batch full; otherwise static batches of `batch` prompts, each lasting as long as its slowest
+    row."""
     drafter = engine.drafter
     engine.lookup_skips_drafter = skip_drafter
     chunks = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]

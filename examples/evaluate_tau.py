@@ -176,7 +176,8 @@ def offline(args):
             for r, rd in zip(recs, rounds):
                 out.write(json.dumps({"drafter": name, "dataset": dataset, "temperature": 0.0, "id": r["id"],
                                       "new_tokens": len(r["input_ids"]) - r["prompt_len"], "seconds": dt / len(recs),
-                                      "accepted": rd["accepted"], "proposals": rd["proposals"], "offline": True}) + "\n")
+                                      "accepted": rd["accepted"], "proposals": rd["proposals"],
+                                      "offline": True}) + "\n")
             out.flush()
             print(f"{name} {dataset}: offline replay of {len(recs)} prompts in {dt:.1f}s", flush=True)
 
@@ -281,7 +282,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="reference")
     p.add_argument("--drafters", nargs="+", required=True,
-                   help="name=folder[,config_key=value...][,lookup=N] (lookup: context lookup; generate() and --engine)")
+                   help="name=folder[,config_key=value...][,lookup=N] (lookup: context lookup; generate() and "
+                   "--engine)")
     p.add_argument("--datasets", nargs="+", default=["mtbench", "humaneval", "sharegpt"])
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0])
     p.add_argument("--prompts_dir", default="assets/prompts")

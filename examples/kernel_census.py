@@ -193,7 +193,8 @@ def main(argv=None):
                    "generated reductions)")
     p.add_argument("--gemv_fusion", nargs="?", const=True, default=False, choices=[True, "norms"],
                    help="the engine's gemv_fusion=True (RMSNorms and SiLU * up inside the reductions; until "
-                   "2026-12-05c the default, which --no_gemv_fusion turned off), or --gemv_fusion norms (the norms only)")
+                   "2026-12-05c the default, which --no_gemv_fusion turned off), or --gemv_fusion norms (the norms "
+                   "only)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from benchmark import parse_inductor_options

@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 
-def lookup_proposals(tokens: list[int], t: int, num: int, max_ngram: int = 4, min_ngram: int = 2) -> tuple[list[int], int]:
+def lookup_proposals(tokens: list[int], t: int, num: int, max_ngram: int = 4,
+                     min_ngram: int = 2) -> tuple[list[int], int]:
     """The generate() path's context lookup (`context_lookup`) at anchor t: proposals copied from tokens[:t+1]."""
     from hf_carryover.generation_carryover import context_lookup
 

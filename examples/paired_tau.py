@@ -43,8 +43,9 @@ def _tau(acc_lists):
 
 
 def paired(a: dict, b: dict) -> dict:
-    """Per (dataset, temperature), per temperature and overall: prompts, pooled τ of each side, mean per-prompt τ difference A - B
-    and its standard error. Prompts without rounds on either side (no draft round at all) are left out."""
+    """Per (dataset, temperature), per temperature and overall: prompts, pooled τ of each side, mean per-prompt τ
+    difference A - B and its standard error. Prompts without rounds on either side (no draft round at all) are left
+    out."""
     keys = sorted(k for k in a.keys() & b.keys() if a[k] and b[k])
     groups = defaultdict(list)
     for k in keys:
@@ -64,7 +65,8 @@ def paired(a: dict, b: dict) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--raw", nargs="+", required=True, help="evaluate_tau.py raw-*.jsonl files (or .jsonl.gz); PREFIX=FILE prefixes that file's drafter names")
+    p.add_argument("--raw", nargs="+", required=True, help="evaluate_tau.py raw-*.jsonl files (or .jsonl.gz); "
+                   "PREFIX=FILE prefixes that file's drafter names")
     p.add_argument("--pair", nargs="+", required=True, help="A:B drafter names (difference A - B)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)

@@ -1,6 +1,7 @@
 """Per-position acceptance of drafters from `examples/evaluate_tau.py` summaries, as a PNG.
 
-    python examples/plot_acceptance.py RUN/tau0/summary.json [more summaries ...] --out examples/results/RUN/acceptance.png \
+    python examples/plot_acceptance.py RUN/tau0/summary.json [more summaries ...] \
+        --out examples/results/RUN/acceptance.png \
         [--temperature 0] [--drafters dflash-baseline dflash-carryover]
 
 One panel per dataset; a line per drafter: P(a round accepts at least j drafts), j = 1..B, pooled over the

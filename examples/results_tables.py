@@ -28,7 +28,8 @@ def tau_table(paths, baseline: str | None = None) -> str:
         drafters = sorted({n for n, _, t2 in rows if t2 == t})
         prompts = {d: next((r["prompts"] for (_, d2, t2), r in rows.items() if d2 == d and t2 == t), "?")
                    for d in datasets}
-        out += [f"**T = {t:g}** (τ = mean tokens per target forward in draft rounds; prompts per dataset in brackets)", "",
+        out += [f"**T = {t:g}** (τ = mean tokens per target forward in draft rounds; prompts per dataset in "
+                "brackets)", "",
                 "| drafter | " + " | ".join(f"{d} ({prompts[d]})" for d in datasets) + " | mean |",
                 "|---|" + "---|" * (len(datasets) + 1)]
         for n in drafters:
@@ -94,7 +95,8 @@ def bench_table(paths) -> str:
             tps += f" (pass {r['pass']})"
         tau = f"{r['tau']:.3f}" if r.get("tau") else "–"
         sp = [ratio(r, m) for m in ("hf_eager", "engine_ar@1", own_ar(r["method"]), batch and f"vllm_ar@{batch}")]
-        out.append(f"| {r['dataset']} | {r.get('temperature', 0):g} | {r['method']} | {r['prompts']} | {tps} | {tau} | {r.get('mode', '–')} | "
+        out.append(f"| {r['dataset']} | {r.get('temperature', 0):g} | {r['method']} | {r['prompts']} | {tps} | {tau} | "
+                   f"{r.get('mode', '–')} | "
                    + " | ".join(sp) + " |")
     return "\n".join(out)
 

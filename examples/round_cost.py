@@ -94,7 +94,8 @@ def table(rows, pairs=()) -> str:
         tau = f"{r['tau']:.3f}" if r.get("tau") else "–"
         fill, launched = ((f"{r['batch_fill']:.3f}", f"{r['ms_per_launched_round']:.4f}") if r.get("launched_rounds")
                           else ("–", "–"))
-        lines.append(f"| {r['file']} | {r['dataset']} | {r['method']} | {r.get('pass', '–')} | {r['tokens']} | {tau} | "
+        lines.append(f"| {r['file']} | {r['dataset']} | {r['method']} | {r.get('pass', '–')} | {r['tokens']} | "
+                     f"{tau} | "
                      f"{r['verifications']:.1f} | {r['ms_per_verification']:.4f} | {r['tok_per_s']:.1f} | {fill} | "
                      f"{launched} |")
     if pairs:

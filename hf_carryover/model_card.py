@@ -198,7 +198,8 @@ def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: 
             lines += [f"\n### With a draft tree in the fast engine (`{setting}`)\n",
                       "hf_carryover's engine verifies, each round, the nodes of this folder's `draft_tree.json` "
                       "(calibrated "
-                      "on training responses) that the drafter finds likeliest, in one target forward (greedy rounds here; "
+                      "on training responses) that the drafter finds likeliest, in one target forward "
+                      "(greedy rounds here; "
                       "`SpeculativeEngine.generate(..., tree=TreeSpec.from_pretrained(folder), tree_nodes=N)`, or "
                       "`drafter.use_draft_tree(nodes=N)` before `generate()`, which then runs these rounds). "
                       "τ is tokens per verification.\n"]
@@ -210,14 +211,17 @@ def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: 
     body = TEMPLATE.format(
         name=name, repo_id=repo_id, base_model=base_model,
         kind={"dflash": "DFlash-style block", "markov": "Markov (DSpark-style) block"}[cfg["drafter_type"]],
-        carry_text=" with **Carryover** (it reuses the target's hidden states of rejected tokens)" if cfg.get("carryover") else "",
+        carry_text=(" with **Carryover** (it reuses the target's hidden states of rejected tokens)"
+                    if cfg.get("carryover") else ""),
         num_proposals=cfg["block_size"] - (1 if cfg["drafter_type"] == "dflash" else 0),
         fp=", ".join(f"{k} {v}" for k, v in fp.items()), layers=cfg["target_layer_ids"], block_size=cfg["block_size"],
         num_layers=cfg["num_hidden_layers"],
-        mask="learned embedding" if cfg.get("learned_mask_embedding") else f"target token id {cfg.get('mask_token_id')}",
+        mask=("learned embedding" if cfg.get("learned_mask_embedding")
+              else f"target token id {cfg.get('mask_token_id')}"),
         carryover="on" if cfg.get("carryover") else "off", training=training_text or "Not documented.", results=results,
         tree_text="\nWith the `hf_carryover` package installed, `drafter.use_draft_tree()` makes greedy calls "
-                  "(left-padded batches too) verify a draft tree each round (this repository's `draft_tree.json`, 63 nodes a round, on "
+                  "(left-padded batches too) verify a draft tree each round (this repository's `draft_tree.json`, "
+                  "63 nodes a round, on "
                   "hf_carryover's engine); other calls verify linear blocks and warn why."
                   if (Path(folder) / "draft_tree.json").exists() else "")
     return ModelCard.from_template(data, template_str="---\n{{ card_data }}\n---\n" + body)

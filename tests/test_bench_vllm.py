@@ -127,7 +127,8 @@ def test_methods_rows_failures_and_table(tmp_path, monkeypatch):
     assert ok["same_as_ar"] == pytest.approx(0.8) and ok["tau"] == pytest.approx(2.5) and "error" not in ok
     # humaneval's third prompt fails in a timed chunk at both b: those rows carry the error, mtbench's were measured
     assert [by[("vllm_dflash:d@" + b, "humaneval")]["error"] for b in "12"] == ["ValueError('boom')"] * 2
-    assert by[("vllm_dflash:d@1", "humaneval")]["tok_per_s"] is None and "error" not in by[("vllm_dflash:d@1", "mtbench")]
+    assert by[("vllm_dflash:d@1", "humaneval")]["tok_per_s"] is None
+    assert "error" not in by[("vllm_dflash:d@1", "mtbench")]
     assert all("startup: RuntimeError('no CUDA device')" == by[(f"vllm_dflash:x@{b}", d)]["error"]
                for b in (1, 2) for d in datasets)
     assert {tuple(sorted(r)) for r in rows if "error" not in r and r["method"].startswith("vllm_ar")} == {
@@ -160,7 +161,8 @@ def test_bench_table_ratios_only_within_one_temperature(tmp_path):
     table = bench_table([tmp_path / "b.jsonl"]).splitlines()
     assert table[4] == "| d | 1 | engine:x@1 | 3 | 120.0 | – | – | – | 1.50 | 1.50 | – |"
 
-FAKE_VLLM = '''"""A stand-in `vllm` package: records LLM(...) arguments, echoes the first prompt token, counts fake drafts."""
+FAKE_VLLM = '''"""A stand-in `vllm` package: records LLM(...) arguments, echoes the first prompt token, counts fake
+drafts."""
 import json, os
 from types import SimpleNamespace as NS
 

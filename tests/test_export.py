@@ -20,7 +20,8 @@ def test_export_layout(tmp_path):
     drafter = build_drafter(target, "dflash", True, num_layers=2, carryover_gate=-6.0)
     info = export_dflash(drafter, tmp_path)
     weights = load_file(str(tmp_path / "model.safetensors"))
-    expected = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {f"layers.{i}.{k}" for i in range(2) for k in LAYER_KEYS}
+    expected = ({"fc.weight", "hidden_norm.weight", "norm.weight"}
+                | {f"layers.{i}.{k}" for i in range(2) for k in LAYER_KEYS})
     assert set(weights) == expected
     assert sorted(info["dropped"]) == ["carryover_embedding", "carryover_gate"]  # Carryover has no place there
     assert all(w.dtype == torch.bfloat16 for w in weights.values())

@@ -93,7 +93,8 @@ def test_card_with_tree_rows(tmp_path):
     import pytest
 
     tiny_drafter(tiny_target(), "dflash", carryover=False).save_pretrained(tmp_path)
-    cmd = "python examples/evaluate_tau.py --engine --drafters x=F x-t=F,tree=T.json,tree_nodes=63 x-tl=F,tree=T.json,tree_nodes=31,lookup=15"
+    cmd = ("python examples/evaluate_tau.py --engine --drafters x=F x-t=F,tree=T.json,tree_nodes=63 "
+           "x-tl=F,tree=T.json,tree_nodes=31,lookup=15")
 
     def row(key, ds, tau):
         return {f"{key}|{ds}|T=0.0": {"drafter": key, "dataset": ds, "temperature": 0.0, "prompts": 80, "rounds": 9,

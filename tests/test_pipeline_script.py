@@ -67,8 +67,8 @@ def test_call_box_cuts_a_job_to_the_time_left_in_the_device_call(tmp_path):
 
 
 def test_a_compiled_job_whose_box_is_too_short_is_not_started(tmp_path):
-    """too_short: a compiled job (--compile in its flags) is skipped, with a log line, when its box as call_box would cut
-    it is under ENGINE_MIN_BOX (150 s): such a row cannot finish (12-06b: three jobs at 95-120 s gave no row). An
+    """too_short: a compiled job (--compile in its flags) is skipped, with a log line, when its box as call_box would
+    cut it is under ENGINE_MIN_BOX (150 s): such a row cannot finish (12-06b: three jobs at 95-120 s gave no row). An
     uncompiled job, a long enough box, or a lower ENGINE_MIN_BOX runs; the engine jobs ask it before they start."""
     harness = "\n".join([
         "set -euo pipefail", 'log() { echo "[log] $*"; }', _functions("too_short"),
@@ -127,7 +127,8 @@ def test_inductor_cache_travels_in_parts_and_unpacks_on_the_next_machine(tmp_pat
               "PACK_PARTS=2",
               "pack_cache", "ls $OUT | wc -l")
     assert r.returncode == 0 and "not returned" in r.stdout and r.stdout.strip().endswith("0"), r.stdout
-    assert "by folder (MiB): fxgraph/ 2; fxgraph/ab/ 2; triton/ 1; triton/k1/ 1;" in r.stdout, r.stdout  # what filled it, largest first
+    # what filled it, largest first
+    assert "by folder (MiB): fxgraph/ 2; fxgraph/ab/ 2; triton/ 1; triton/k1/ 1;" in r.stdout, r.stdout
     # a damaged part: logged, the call goes on
     (tmp_path / ".device" / "inductor" / "inductor.tgz.part01").write_bytes(b"garbage")
     r = _bash(tmp_path, f"A={tmp_path / 'new2'}", "mkdir -p $A", "unpack_cache", "echo went on")

@@ -114,7 +114,8 @@ def test_round_cost_splits_a_speed_ratio_into_tau_and_round_cost(tmp_path):
         round_cost.parse_pair("engine_ar")
     text = round_cost.main([str(raw), "--pair", "engine_tree_lookup31:new@1:engine_tree_lookup31:old@1",
                             "--out", str(tmp_path / "t.md")])
-    assert "| 0 | d | engine_tree_lookup31:new@1 | engine_tree_lookup31:old@1 | 1.260 | 1.125 | 1.120 | – | – | – |" in text
+    assert ("| 0 | d | engine_tree_lookup31:new@1 | engine_tree_lookup31:old@1 | 1.260 | 1.125 | 1.120 | – | – | – |"
+            in text)
     assert (tmp_path / "t.md").read_text() == text
     # one method in two files (two calls that differ in a global flag): paired only when each side names its file
     other = tmp_path / "other.jsonl"

@@ -490,7 +490,8 @@ def test_gpu_engine_check_tiny_cpu(tmp_path, monkeypatch, capsys):
     # (--engine_options: every engine on the RoPE tables here, recorded; --compile_engine_options: the compiled
     # engine's own, recorded, and refused without --compile)
     with pytest.raises(SystemExit):
-        _in_process(monkeypatch, script, cmd[2:-2] + ["--compile_engine_options", "gemv_rows=1", "--out", str(out)], tmp_path)
+        _in_process(monkeypatch, script, cmd[2:-2] + ["--compile_engine_options", "gemv_rows=1", "--out", str(out)],
+                    tmp_path)
     assert "--compile_engine_options are the compiled engine's: they need --compile" in capsys.readouterr().err
     cmd_c = cmd[:-3] + ["--compile", "--compile_backend", "aot_eager", "--dtypes", "fp32", "--kinds", "dflash",
                         "--batch_sizes", "1", "--engine_options", "rope_table=True",

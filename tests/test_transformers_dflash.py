@@ -46,7 +46,8 @@ def test_markov_drafter_refused_by_transformers_dflash():
 
 
 def test_a_draft_tree_leaves_transformers_dflash_loop_alone():
-    """`speculation_type="dflash"` asks for transformers' own loop: a drafter with a draft tree set runs it, not ours."""
+    """`speculation_type="dflash"` asks for transformers' own loop: a drafter with a draft tree set runs it, not
+    ours."""
     target = build_target("llama")
     drafter = build_drafter(target, "dflash", False).use_draft_tree([(0,), (1,), (0, 0)], nodes=None)
     prompt = torch.tensor([[3, 4, 5, 9]])

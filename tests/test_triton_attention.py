@@ -405,7 +405,8 @@ def test_drafter_attention_on_the_kernel_equals_sdpa():
             res[name] = outs[0] == outs[1] and runs[0].rounds == runs[1].rounds
         res["modes"] = [runs[0].drafter_attention, SpeculativeEngine(target, drafter).drafter_attention,
                         SpeculativeEngine(target, drafter, attention="triton").drafter_attention,
-                        SpeculativeEngine(target, drafter, attention="triton", drafter_attention="sdpa").drafter_attention]
+                        SpeculativeEngine(target, drafter, attention="triton",
+                                          drafter_attention="sdpa").drafter_attention]
         from hf_carryover.engine.attention import drafter_kernel  # remote code older than the hook: "auto" -> SDPA
         hookless = torch.nn.Sequential(torch.nn.Linear(2, 2))
         res["modes"].append("sdpa" if drafter_kernel(hookless, "auto", "triton", {}) is None else "triton")

@@ -178,7 +178,8 @@ def compare(a, b) -> dict:
 def summarize(paths) -> str:
     """A Markdown table of stored results: per file, configuration and pair, how many prompts kept the same tokens,
     and the rounds where the others parted (tokens / carryover states / verified block)."""
-    lines = ["| file | commit | determinism | config | pair | same tokens | parted at rounds (tokens / carry / block) |",
+    lines = ["| file | commit | determinism | config | pair | same tokens | "
+             "parted at rounds (tokens / carry / block) |",
              "|---|---|---|---|---|---|---|"]
     for path in paths:
         res = json.loads(Path(path).read_text())

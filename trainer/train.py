@@ -1,4 +1,5 @@
-"""Train a drafter for any target:  `accelerate launch trainer/train.py --config trainer/configs/X.json [--key value ...]`.
+"""Train a drafter for any target:
+`accelerate launch trainer/train.py --config trainer/configs/X.json [--key value ...]`.
 
 Config keys are the fields of `ScriptArguments` below plus any `CarryoverTrainingArguments` /
 `TrainingArguments` field; CLI flags override the file. Runs on CPU (tiny configs), one GPU or many.
@@ -30,9 +31,11 @@ from hf_carryover.training.trainer import CarryoverTrainer, CarryoverTrainingArg
 
 @dataclass
 class ScriptArguments:
-    target: str = field(default="reference", metadata={"help": "'reference' (SmolLM2-135M-Instruct) or a model folder."})
+    target: str = field(default="reference",
+                        metadata={"help": "'reference' (SmolLM2-135M-Instruct) or a model folder."})
     target_dtype: str = field(default="bfloat16", metadata={"help": "dtype of the frozen target."})
-    data_dir: str = field(default="data/train", metadata={"help": "Folder of response shards (several: comma-separated)."})
+    data_dir: str = field(default="data/train",
+                          metadata={"help": "Folder of response shards (several: comma-separated)."})
     eval_data_dir: str | None = field(default=None, metadata={"help": "Folder of held-out response shards."})
     max_train_records: int | None = field(default=None)
     max_eval_records: int | None = field(default=64)
@@ -71,7 +74,8 @@ class TimeLimit(TrainerCallback):
                  reserve: float = 0.05, clock=time.time):
         self.clock = clock
         self.deadline = clock() + 60 * minutes
-        self.fit_schedule, self.calibrate, self.refit_every, self.reserve = fit_schedule, calibrate, refit_every, reserve
+        self.fit_schedule, self.calibrate = fit_schedule, calibrate
+        self.refit_every, self.reserve = refit_every, reserve
         self.t_calibrate = None
         self.stop_at = None
 

@@ -29,7 +29,8 @@ def prompt_lists(prompts, vocab_size: int) -> list[list[int]]:
                              "(one prompt: prompts=[ids] or ids[None]).")
         prompts = prompts.tolist()
     elif not isinstance(prompts, Sequence) or isinstance(prompts, (str, bytes)):
-        raise ValueError(f"prompts: a list of token-id lists or a [batch, length] tensor, got {type(prompts).__name__}.")
+        raise ValueError("prompts: a list of token-id lists or a [batch, length] tensor, got "
+                         f"{type(prompts).__name__}.")
     if len(prompts) == 0:
         raise ValueError("generate() needs at least one prompt.")
     out = []

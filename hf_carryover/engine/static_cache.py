@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from ..modeling_drafter import DrafterStaticCache, put_positions  # noqa: F401  (re-exported: remote code, generate() too)
+# re-exported: remote code and generate() use them too
+from ..modeling_drafter import DrafterStaticCache, put_positions  # noqa: F401
 
 
 class TargetStaticCache:

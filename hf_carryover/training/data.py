@@ -160,7 +160,8 @@ class ResponseCollator:
         input_ids = torch.full((len(seqs), width), self.pad, dtype=torch.long)
         for i, s in enumerate(seqs):
             input_ids[i, : len(s)] = torch.tensor(s)
-        return {"input_ids": input_ids, "prompt_len": torch.tensor(plens), "seq_len": torch.tensor([len(s) for s in seqs])}
+        return {"input_ids": input_ids, "prompt_len": torch.tensor(plens),
+                "seq_len": torch.tensor([len(s) for s in seqs])}
 
 
 __all__ = ["regenerate_responses", "ResponseDataset", "ResponseCollator"]

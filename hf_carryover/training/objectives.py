@@ -56,7 +56,8 @@ def sample_anchors(prompt_len, seq_len, num_anchors: int, generator=None):
 
 
 def block_targets(input_ids, seq_len, anchors, anchor_valid, num_proposals: int):
-    """Labels `[b, N, P]` (token at t+j, j=1..P), their validity, and the previous tokens (t+j-1) for the Markov head."""
+    """Labels `[b, N, P]` (token at t+j, j=1..P), their validity, and the previous tokens (t+j-1) for the Markov
+    head."""
     L = input_ids.shape[1]
     j = torch.arange(1, num_proposals + 1, device=input_ids.device)
     pos = anchors[:, :, None] + j  # [b, N, P]
@@ -135,7 +136,8 @@ def block_loss(logits, labels, ok, weights, target_logits=None, l1_weight: float
         # expected accepted drafts if each block were verified: leading run of hits
         run = torch.cumprod(hit.long(), dim=-1).sum(-1).float()
         mean_run = run[ok[..., 0]].mean() if ok[..., 0].any() else torch.tensor(0.0)
-    return loss, {"ce": float((ce.detach() * w).sum() / denom), "acc_per_pos": acc.tolist(), "accept_run": float(mean_run)}
+    return loss, {"ce": float((ce.detach() * w).sum() / denom), "acc_per_pos": acc.tolist(),
+                  "accept_run": float(mean_run)}
 
 
 def _block_embeds_positions(drafter, input_ids, anchors):

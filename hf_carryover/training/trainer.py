@@ -45,7 +45,8 @@ class CarryoverTrainer(Trainer):
         if args.stage not in (1, 2):
             raise ValueError(f"Unknown stage {args.stage}; expected 1 or 2.")
         if args.carry_chain < 1:
-            raise ValueError(f"carry_chain={args.carry_chain}: stage 2 needs at least one draft-verify step (1 or more).")
+            raise ValueError(f"carry_chain={args.carry_chain}: stage 2 needs at least one draft-verify step "
+                             "(1 or more).")
         if args.n_gpu > 1:  # one process that sees several GPUs: Trainer would wrap the drafter in DataParallel
             raise ValueError(
                 f"This one training process sees {args.n_gpu} GPUs, so transformers' Trainer would run torch "
