@@ -164,6 +164,9 @@ def main(argv=None):
         pairs = [parse_pair(x) for x in args.pair]
     except ValueError as e:
         p.error(str(e))
+    for pair in pairs:  # a file index past the files given would pair nothing, silently
+        if any((f := file_of(n)[0]) is not None and f >= len(args.raw) for n in pair):
+            p.error(f"--pair {':'.join(pair)}: names a file past the {len(args.raw)} given (numbered from 0)")
     rows = load_rows(args.raw)
     return emit(table(rows, pairs) + (keys_table(rows, args.prompts_dir) if args.prompts_dir else ""), args.out)
 

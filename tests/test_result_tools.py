@@ -86,7 +86,7 @@ def test_plot_speed_draws_summary_rows_first_file_first(tmp_path):
     assert (tmp_path / "speed.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "not drawn" in res.stdout
 
 
-def test_round_cost_splits_a_speed_ratio_into_tau_and_round_cost(tmp_path):
+def test_round_cost_splits_a_speed_ratio_into_tau_and_round_cost(tmp_path, capsys):
     """examples/round_cost.py: ms a verification = seconds / (tokens / τ) (a step for plain decoding), and a pair's
     speed ratio is exactly its τ factor times its round factor; method names holding ':' parse as pairs."""
     sys.path.insert(0, str(ROOT / "examples"))
@@ -127,6 +127,9 @@ def test_round_cost_splits_a_speed_ratio_into_tau_and_round_cost(tmp_path):
     assert "| 0:1 | d | 0/engine_tree_lookup31:new@1 | 1/engine_tree_lookup31:new@1 | 1.260 | 1.125 | 1.120 |" in text
     with pytest.raises(ValueError, match="both sides"):
         round_cost.parse_pair("0/engine_ar@1:engine_ar@1")
+    with pytest.raises(SystemExit):  # file 2 of two files
+        round_cost.main([str(raw), str(other), "--pair", "0/engine_tree_lookup31:new@1:2/engine_tree_lookup31:new@1"])
+    assert "names a file past the 2 given (numbered from 0)" in capsys.readouterr().err
 
 
 def test_round_cost_counts_the_keys_plain_steps_attended_to(tmp_path):
