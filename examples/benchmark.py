@@ -51,7 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import evaluate_tau  # noqa: E402
-from evaluate_tau import INDUCTOR_PREFIX, environment, load_drafters, load_prompts, parse_spec  # noqa: E402
+from evaluate_tau import INDUCTOR_PREFIX, environment, load_drafters, load_prompts, with_inductor_keys  # noqa: E402
 
 
 def _sync():
@@ -389,7 +389,7 @@ def main():
     ar_variants = parse_ar_variants(args.ar_variant)
     if compile_options and not args.compile:
         p.error("--inductor sets options of the compiled rounds: it needs --compile")
-    own_inductor = [d for d in args.drafters if any(k.startswith(INDUCTOR_PREFIX) for k in parse_spec(d)[2])]
+    own_inductor = with_inductor_keys(args.drafters)
     if own_inductor and not args.compile:
         p.error(f"{own_inductor}: {INDUCTOR_PREFIX}KEY=VALUE sets options of the compiled rounds: it needs --compile")
 

@@ -60,6 +60,12 @@ ENGINE_KEYS = ("lookup_siblings", "lookup_confidence", "lookup_min_ngram", "atte
 INDUCTOR_PREFIX = "inductor."
 
 
+def with_inductor_keys(specs) -> list[str]:
+    """The specs among `specs` that set an inductor option (`inductor.KEY=VALUE`): a compiled engine's, so the scripts
+    that cannot honour them (no --compile, or no compiled engine at all) refuse them before loading anything."""
+    return [d for d in specs if any(k.startswith(INDUCTOR_PREFIX) for k in parse_spec(d)[2])]
+
+
 def load_drafters(specs, dtype, device):
     """`name=folder[,key=value...]` specs -> {name: drafter} (remote code, as users load them). The optional
     config overrides serve ablations, e.g. `carry-off=FOLDER,carryover=false` runs a Carryover-trained drafter
@@ -314,7 +320,7 @@ def main():
         given = sorted({k for d in engine_only for k in parse_spec(d)[2]} & set(ENGINE_KEYS))
         raise SystemExit(f"{engine_only}: {'/'.join(given)} (of {'/'.join(ENGINE_KEYS)}) are SpeculativeEngine "
                          "arguments: they need --engine")
-    compiled_only = [d for d in args.drafters if any(k.startswith(INDUCTOR_PREFIX) for k in parse_spec(d)[2])]
+    compiled_only = with_inductor_keys(args.drafters)
     if compiled_only and not args.summarize_only:
         raise SystemExit(f"{compiled_only}: {INDUCTOR_PREFIX}KEY=VALUE sets an option of a compiled engine; this "
                          "script's engine is not compiled (examples/benchmark.py --compile takes them)")

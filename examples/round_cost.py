@@ -95,9 +95,8 @@ def table(rows, pairs=()) -> str:
         fill, launched = ((f"{r['batch_fill']:.3f}", f"{r['ms_per_launched_round']:.4f}") if r.get("launched_rounds")
                           else ("–", "–"))
         lines.append(f"| {r['file']} | {r['dataset']} | {r['method']} | {r.get('pass', '–')} | {r['tokens']} | "
-                     f"{tau} | "
-                     f"{r['verifications']:.1f} | {r['ms_per_verification']:.4f} | {r['tok_per_s']:.1f} | {fill} | "
-                     f"{launched} |")
+                     f"{tau} | {r['verifications']:.1f} | {r['ms_per_verification']:.4f} | {r['tok_per_s']:.1f} | "
+                     f"{fill} | {launched} |")
     if pairs:
         lines += ["", "| file | dataset | A | B | tok/s A / B | = τ factor | × round factor | = tokens a row round "
                   "factor | × fill factor | × launched-round factor |", "|---|---|---|---|---|---|---|---|---|---|"]

@@ -197,8 +197,7 @@ def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: 
         for key, these, setting in tree_tables:
             lines += [f"\n### With a draft tree in the fast engine (`{setting}`)\n",
                       "hf_carryover's engine verifies, each round, the nodes of this folder's `draft_tree.json` "
-                      "(calibrated "
-                      "on training responses) that the drafter finds likeliest, in one target forward "
+                      "(calibrated on training responses) that the drafter finds likeliest, in one target forward "
                       "(greedy rounds here; "
                       "`SpeculativeEngine.generate(..., tree=TreeSpec.from_pretrained(folder), tree_nodes=N)`, or "
                       "`drafter.use_draft_tree(nodes=N)` before `generate()`, which then runs these rounds). "
@@ -221,8 +220,7 @@ def build_model_card(folder, name: str, repo_id: str, base_model: str, summary: 
         carryover="on" if cfg.get("carryover") else "off", training=training_text or "Not documented.", results=results,
         tree_text="\nWith the `hf_carryover` package installed, `drafter.use_draft_tree()` makes greedy calls "
                   "(left-padded batches too) verify a draft tree each round (this repository's `draft_tree.json`, "
-                  "63 nodes a round, on "
-                  "hf_carryover's engine); other calls verify linear blocks and warn why."
+                  "63 nodes a round, on hf_carryover's engine); other calls verify linear blocks and warn why."
                   if (Path(folder) / "draft_tree.json").exists() else "")
     return ModelCard.from_template(data, template_str="---\n{{ card_data }}\n---\n" + body)
 

@@ -71,7 +71,7 @@ def test_a_compiled_job_whose_box_is_too_short_is_not_started(tmp_path):
     cut it is under ENGINE_MIN_BOX (150 s): such a row cannot finish (12-06b: three jobs at 95-120 s gave no row). An
     uncompiled job, a long enough box, or a lower ENGINE_MIN_BOX runs; the engine jobs ask it before they start."""
     harness = "\n".join([
-        "set -euo pipefail", 'log() { echo "[log] $*"; }', _functions("too_short"),
+        "set -euo pipefail", 'log() { echo "[log] $*"; }', _functions("call_box", "too_short"),
         'run() { if too_short "$@"; then echo skip; else echo run; fi; }',
         'SECONDS=0; run 120 "--compile --limit 20"; run 200 "--compile --limit 20"; run 60 "--limit 20"',
         'run 120 "--compiled_x"; SECONDS=450; run 200 "--limit 5 --compile"',
@@ -82,6 +82,7 @@ def test_a_compiled_job_whose_box_is_too_short_is_not_started(tmp_path):
     assert said == ["skip", "run", "run", "run", "skip", "run"], r.stdout
     assert "its box would be 120 s, under ENGINE_MIN_BOX=150 s" in r.stdout
     assert "its box would be 135 s" in r.stdout  # cut to the call's time left (600 - 450 - 15)
+    assert "time box" not in r.stdout + r.stderr  # the check asks call_box quietly: the job's own call logs the cut
     assert 'too_short ${box:-${ENGINE_BOX:-300}} "$fl ${ENGINE_FLAGS:-}" && { flush; return; }' in SCRIPT.read_text()
 
 

@@ -124,13 +124,13 @@ trap flush EXIT
 serve_target() {  # the bf16 serving folder of the converted target, ~/assets/serve/target, made once per machine
   [ -d "$A/serve/target" ] || python3 -c "from hf_carryover.reference import save_reference_for_serving as s; s('$A/serve/target')"
 }
-call_box() {  # call_box SECONDS: that time box, cut to what is left of the device call since this script started
-  # (CALL_SECONDS, default 600, the call's limit; 15 s kept for the flush), so that a job ends and its rows travel
-  # before the call is killed (2026-12-04c: the GGUF join and conversion ran before a 570 s box, and the call was killed
-  # at 600 s mid-row). Every `timeout` below takes its box through it.
+call_box() {  # call_box SECONDS [quiet]: that time box, cut to what is left of the device call since this script
+  # started (CALL_SECONDS, default 600, the call's limit; 15 s kept for the flush; the cut logged unless quiet), so that
+  # a job ends and its rows travel before the call is killed (2026-12-04c: the GGUF join and conversion ran before a
+  # 570 s box, and the call was killed at 600 s mid-row). Every `timeout` below takes its box through it.
   local left=$(( ${CALL_SECONDS:-600} - SECONDS - 15 ))
   if [ "$1" -gt "$left" ]; then
-    log "time box $1 s cut to $left s (CALL_SECONDS=${CALL_SECONDS:-600}, $SECONDS s gone)" >&2
+    [ -n "${2:-}" ] || log "time box $1 s cut to $left s (CALL_SECONDS=${CALL_SECONDS:-600}, $SECONDS s gone)" >&2
     echo $(( left > 1 ? left : 1 ))
   else echo "$1"; fi
 }
@@ -139,8 +139,7 @@ too_short() {  # too_short SECONDS FLAGS: true (and logged) for a compiled job (
   # 106-186 s in h100-2026-12-06b, warm inductor cache included, and a call of three jobs boxed at 95-120 s ran all
   # three into their boxes and returned no row (316 s of device time); a skipped job returns the call that much sooner.
   [[ " $2 " == *" --compile "* ]] || return 1
-  local b=$1 left=$(( ${CALL_SECONDS:-600} - SECONDS - 15 ))
-  [ "$b" -gt "$left" ] && b=$left
+  local b; b=$(call_box "$1" quiet)  # quiet: the job's own call_box logs the cut
   [ "$b" -lt "${ENGINE_MIN_BOX:-150}" ] || return 1
   log "compiled job not started: its box would be $b s, under ENGINE_MIN_BOX=${ENGINE_MIN_BOX:-150} s"
 }
