@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from evaluate_tau import environment, load_drafters, load_prompts, load_target  # noqa: E402
+from evaluate_tau import environment, load_drafters, load_prompts  # noqa: E402
 
 
 def kernel_kind(name: str) -> str:
@@ -234,7 +234,9 @@ def part_times(args, eng, st, tree) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="reference")
+    p.add_argument("--target", default="reference", help="'reference', a model folder, or 'smollm2-random' (the "
+                   "reference's shapes with random weights: a captured round's kernels and times without the converted "
+                   "target; its τ and texts mean nothing)")
     p.add_argument("--drafter", help="a drafter folder (remote code)")
     p.add_argument("--tree", help="a draft-tree JSON (rank paths), for the drafter's tree rows")
     p.add_argument("--tree_nodes", type=int, help="nodes verified per tree round (default: the whole tree)")
@@ -261,7 +263,7 @@ def main():
         p.error(f"--batch {args.batch}: at least 1, and --limit ({args.limit}) a multiple of it (full batches)")
     if not torch.cuda.is_available():
         raise SystemExit("profile_engine.py times captured CUDA rounds: it needs a GPU")
-    from benchmark import parse_engine_options, parse_inductor_options
+    from benchmark import load_target, parse_engine_options, parse_inductor_options
 
     # e.g. freezing=True: the engine's compile_options, as benchmark.py --inductor passes them (rounds and parts alike)
     args.compile_options = parse_inductor_options(args.inductor)
