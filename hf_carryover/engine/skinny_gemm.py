@@ -1,0 +1,79 @@
+"""A Triton GEMM for the few-row projections of the engine's rounds: `x @ w.T` with x `[M, K]`, M up to 64.
+
+Why: a tree round verifies 32 rows, and in the H100 profile of `h100-2026-12-06c` its target forward spent 0.50 of
+1.05 ms in 121 cuBLAS GEMMs of 32 rows (3.7-4.2 us each: qkv, o, gate/up, down of 30 layers), while the whole weight
+set of a layer (7.1 MB) streams in about 2 us at the card's bandwidth. At these sizes a GEMM is bound by its fixed
+latencies (launch, the first loads, a K loop of dependent steps), not by arithmetic or bytes. This kernel gives every
+program a narrow slice of output columns (`block_n`) for all rows at once, so each weight element is read once and
+the grid is wide (a 576-column projection: 36 programs at 16 columns), and it walks K in large steps (`block_k`) that
+Triton pipelines (`num_stages`).
+
+The engine uses it only where a timing says it wins (`examples/gemm_bench.py` compares it with cuBLAS inside CUDA
+graphs at the target's shapes); it is exact up to the order of the fp32 sums inside one dot product.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
+
+
+def available(device: torch.device | str = "cuda") -> str | None:
+    """None when the kernel can run on `device`; otherwise why not."""
+    if triton is None:
+        return "Triton is not installed (pip install triton)"
+    if torch.device(device).type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
+        return "off CUDA the kernel runs only in Triton's interpreter (TRITON_INTERPRET=1 before Triton's import)"
+    return None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       STAGES: tl.constexpr, IEEE: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of x / y
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of w = columns of y
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            kk = k0 + rk
+            x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
+                        other=0.0)  # [BLOCK_M, BLOCK_K]
+            w = tl.load(w_ptr + rn[None, :] * swn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K),
+                        other=0.0)  # [BLOCK_K, BLOCK_N]: w's rows read as columns
+            if IEEE:  # fp32 inputs: IEEE products, not TF32 (so fp32 decoding can be checked exactly)
+                acc = tl.dot(x, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
+        tl.store(y_ptr + rm[:, None] * sym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def skinny_mm(x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: int = 128, num_warps: int = 4,
+              num_stages: int = 3) -> torch.Tensor:
+    """`x @ w.T` for x `[M, K]` and w `[N, K]` (an nn.Linear weight), both with unit stride along K; `[M, N]` in x's
+    dtype. All M rows go to one program per `block_n` columns (M up to 64; rows are padded to 16 for the dot)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k or x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"skinny_mm: x {tuple(x.shape)} and w {tuple(w.shape)} need the same K with unit stride")
+    if m > 64:
+        raise ValueError(f"skinny_mm takes at most 64 rows, got {m}")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_m = max(16, triton.next_power_of_2(m))
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    _skinny_kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), BLOCK_M=block_m,
+                         BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages, IEEE=x.dtype == torch.float32,
+                         num_warps=num_warps)
+    return y
