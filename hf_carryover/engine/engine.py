@@ -46,6 +46,7 @@ from .capture import CapturedRounds, _is_cuda  # (tests patch `engine._is_cuda` 
 from .compiling import check_inductor_options  # (re-exported: drafters' tree rounds)
 from .triton_attention import available as triton_available
 from .triton_attention import check_settings as check_triton_settings
+from .vocab_topk import available as vocab_topk_available
 from .graphs import install_output_hooks, run_ahead
 from .inputs import check_decoding, prompt_lists
 from .linear_round import LinearRounds
@@ -99,9 +100,10 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
                  attention: str = "auto", attention_mode: str = "dense", attention_block_n: int = 128,
                  attention_warps: int = 4, attention_split_n: int = 256, attention_min_rows: int | None = None,
                  attention_block_m: int = 16, attention_one_row_keys: int | str | None = "auto",
-                 run_ahead: bool = True, tree_topk: str = "torch", drafter_attention: str = "auto",
+                 run_ahead: bool = True, tree_topk: str = "torch", draft_topk: str = "torch",
+                 drafter_attention: str = "auto",
                  rope_table: bool | str = "auto", dynamic_prefill: bool = True, prefill_ahead: bool | int = True,
-                 gemv_rows: int | str = "auto", gemv_fusion: bool | str = False):
+                 gemv_rows: int | str = "auto", gemv_fusion: bool | str = False, skinny_rows: int = 0):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -200,7 +202,10 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
         prompts (`h200-2026-12-04e`). The drafter only proposes: its attention can change τ, never the output.
 
         tree_topk="ranked": dynamic trees pick their nodes without topk and sort launches (`tree.best_ids`); "torch"
-        (the default): with them. The same nodes but for ties.
+        (the default): with them. The same nodes but for ties. draft_topk="triton": tree rounds rank the drafter's
+        tokens over the vocabulary with `vocab_topk.py`'s two launches instead of torch's log_softmax and radix topk
+        (CUDA, or Triton's interpreter; ranks up to 64); "auto": that on CUDA where Triton is installed; "torch" (the
+        default): torch. The same tokens but for ties.
 
         rope_table="auto" (the default): the target's and the drafter's RoPE cos/sin are read by position from tables
         of their rotary modules' own values (`rope_table.py`), so a compiled round's layers load them instead of each
@@ -253,7 +258,11 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
         folded reductions stay persistent (the input loaded once) where the split gate/up became a looped one. It lost
         too: on an H100 a plain step took 0.973 ms with it against 0.899 without (both with gemv_rows=1 and
         attention_min_rows=1, one call; examples/results/h100-2026-12-05f). Fewer launches did not make up for
-        recomputing each norm's mean in every output column's program."""
+        recomputing each norm's mean in every output column's program.
+
+        skinny_rows=N (with compile and freezing; default 0, off): frozen-weight GEMMs of more than gemv_rows and at
+        most N rows (up to 64) and at most 1024 output columns run on `skinny_gemm.py`'s Triton kernel instead of
+        cuBLAS (a tree round's verify and drafter projections; `fuse_projections.py` says what was timed)."""
         if not any(rope_table is v for v in (True, False)) and rope_table != "auto":
             raise ValueError(f"rope_table={rope_table!r}: 'auto', True or False.")
         if not isinstance(dynamic_prefill, bool):
@@ -304,13 +313,18 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
         if tree_topk not in ("ranked", "torch"):
             raise ValueError(f"tree_topk={tree_topk!r}: 'ranked' or 'torch'.")
         self.tree_topk = tree_topk
+        why = vocab_topk_available(target.device) if draft_topk != "torch" else None
+        if draft_topk not in ("auto", "torch", "triton") or (draft_topk == "triton" and why):
+            raise ValueError(f"draft_topk={draft_topk!r}: 'auto', 'torch' or 'triton'{f' ({why})' if why else ''}.")
+        self.draft_topk = "triton" if draft_topk == "triton" or (
+            draft_topk == "auto" and why is None and _is_cuda(target.device)) else "torch"
         self.last_launched = 0
         self.kernel_steps = None  # attention_one_row_keys: the last call's plain steps on the kernel
         # diagnostics (`trainer/gpu_replay_diff.py`): called with the DecodeState after every round, eager or
         # replayed; None (the default) costs nothing
         self.round_hook = None
         self.profile = profile
-        self._setup_compile(compile, compile_options, gemv_rows, gemv_fusion, target)  # (`capture.py`)
+        self._setup_compile(compile, compile_options, gemv_rows, gemv_fusion, target, skinny_rows)  # (`capture.py`)
         self.cuda_graphs = cuda_graphs
         self.last_mode: str | None = None
         self.timing = {"draft": 0.0, "verify": 0.0, "other": 0.0, "rounds": 0}

@@ -36,13 +36,18 @@ before every load either way. The products are the same numbers either way (mult
 Timed on an H100 with the option (`examples/results/h100-2026-12-06b`): a plain step 3.9 % cheaper, a tree round
 3.9 % dearer; not a default.
 
+`skinny_rows=N` (off at 0) hands every constant-weight `mm` of more than `gemv_rows` and at most N rows and at most
+`skinny_gemm.MAX_COLS` output columns to `skinny_gemm.skinny_mm`, a Triton GEMM that gives each program 16 columns
+for all rows (a tree round's 32 verified rows, the drafter's 16). Why: cuBLAS took 3.0-4.9 us for such GEMMs on an
+H100, the kernel 2.7-4.4 (`examples/gemm_bench.py`, `h100-2026-12-06c`), a fixed cost paid 90+ times a round.
+
 The pass also writes RoPE's `rotate_half` concatenations as indexing (`rotate_half.py`), in every frozen graph.
 """
 from __future__ import annotations
 
 import torch
 
-from . import fx_nodes, rotate_half
+from . import fx_nodes, rotate_half, skinny_gemm
 from .fx_nodes import is_call, node_maker
 
 try:  # a CustomGraphPass with a uuid keeps inductor's FX graph cache usable
@@ -61,7 +66,8 @@ class FuseSharedInputMatmuls(CustomGraphPass):
     the graphs it has seen. A graph inductor does not compile again (taken from one of its caches) does not pass
     through it, so both can read 0 while the loaded code is merged all the same (the H200 rows of 2026-12-05 read 0)."""
 
-    def __init__(self, gemv_rows: int = 0, gemv_fusion: bool | str = False, weights_first: bool = False):
+    def __init__(self, gemv_rows: int = 0, gemv_fusion: bool | str = False, weights_first: bool = False,
+                 skinny_rows: int = 0):
         self.fused = 0
         self.graphs = 0
         self.gemv_rows = int(gemv_rows)
@@ -70,6 +76,8 @@ class FuseSharedInputMatmuls(CustomGraphPass):
         self.gemvs = 0  # mm nodes rewritten as reductions (gemv_rows), over every graph seen
         self.gemv_norms = 0  # of them, those with their RMSNorm folded in (gemv_fusion)
         self.rotations = 0  # RoPE rotate_half concatenations written as indexing (`rotate_half.py`)
+        self.skinny_rows = int(skinny_rows)
+        self.skinny = 0  # mm nodes handed to skinny_gemm (skinny_rows), over every graph seen
 
     def record(self) -> dict:
         """What a benchmark or profile row records of the pass: GEMMs merged (`fused_gemms`), rotate_half cats written
@@ -80,14 +88,16 @@ class FuseSharedInputMatmuls(CustomGraphPass):
         if self.gemv_rows:
             res.update(gemv_rows=self.gemv_rows, gemvs=self.gemvs if seen else None, gemv_fusion=self.gemv_fusion,
                        gemv_norms=self.gemv_norms if seen else None, gemv_weights_first=self.weights_first)
+        if self.skinny_rows:
+            res.update(skinny_rows=self.skinny_rows, skinny_gemms=self.skinny if seen else None)
         return res
 
     def uuid(self):  # the FX graph cache's key: this file's code and the options that change what it does
         if get_hash_for_files is None:
             return None
-        code = get_hash_for_files((__file__, rotate_half.__file__, fx_nodes.__file__))
+        code = get_hash_for_files((__file__, rotate_half.__file__, fx_nodes.__file__, skinny_gemm.__file__))
         return (code.hex() if isinstance(code, bytes) else str(code), self.gemv_rows, self.gemv_fusion,
-                self.weights_first)
+                self.weights_first, self.skinny_rows)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         gm = graph.owning_module
@@ -116,6 +126,8 @@ class FuseSharedInputMatmuls(CustomGraphPass):
                                           split=self.gemv_fusion is True, weights_first=self.weights_first)
             self.gemvs += gemvs
             self.gemv_norms += norms
+        if self.skinny_rows:
+            self.skinny += _as_skinny(graph, self.gemv_rows, self.skinny_rows)
         graph.lint()
 
     @staticmethod
@@ -201,6 +213,33 @@ def _as_reductions(graph, rows: int, fold: bool = False, split: bool = False,
             folded += 1
             norm.erase_dead()
     return count, folded
+
+
+def _as_skinny(graph, above: int, rows: int) -> int:
+    """Rewrite `mm(x [M, K], W [K, N])` with a constant W, `above` < M <= `rows` and N <= `skinny_gemm.MAX_COLS` as
+    `skinny_mm(x, W.T)` with the kernel's settings for M and K (`skinny_gemm.settings`). Returns the GEMMs rewritten."""
+    mm, op, count = torch.ops.aten.mm.default, torch.ops.hf_carryover.skinny_mm.default, 0
+    for node in list(graph.nodes):
+        if not is_call(node, mm) or node.kwargs:
+            continue
+        x, w = node.args
+        if _constant(x) or not _constant(w) or "val" not in x.meta or "val" not in w.meta:
+            continue
+        xv, wv = x.meta["val"], w.meta["val"]
+        if xv.dim() != 2 or wv.dim() != 2 or not all(type(d) is int for d in (*xv.shape, *wv.shape)):
+            continue
+        m, (k, n) = xv.shape[0], wv.shape
+        if (not above < m <= min(rows, skinny_gemm.MAX_ROWS) or n > skinny_gemm.MAX_COLS
+                or skinny_gemm.available(xv.device)):
+            continue
+        call = node_maker(graph, xv.fake_mode)
+        with graph.inserting_before(node):
+            wt = call(torch.ops.aten.permute.default, w, [1, 0])  # [N, K]: the kernel reads W's rows
+            out = call(op, x, wt, *skinny_gemm.settings(m, k))
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        count += 1
+    return count
 
 
 def _equal_slices(node):

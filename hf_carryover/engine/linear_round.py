@@ -20,8 +20,9 @@ class LinearRounds:
     `_target_forward`."""
 
     # ------------------------------------------------------------------ drafter
-    def _draft_logits(self, dcache, anchor_tok, anchor_pos, carry, carry_pos, carry_valid):
-        """The drafter's proposal logits `[b, P, V]` (float32) for the block at each row's anchor."""
+    def _draft_logits(self, dcache, anchor_tok, anchor_pos, carry, carry_pos, carry_valid, cast=True):
+        """The drafter's proposal logits `[b, P, V]` (float32; cast=False: the head's own dtype) for the block at each
+        row's anchor."""
         d, cfg = self.drafter, self.drafter.config
         B, b = cfg.block_size, anchor_tok.shape[0]
         block = d.embed_block(anchor_tok[:, None])  # [b, B, d]
@@ -30,7 +31,8 @@ class LinearRounds:
         mask = torch.cat([ctx, carry_valid, torch.ones(b, B, dtype=torch.bool, device=ctx.device)], 1)
         hidden = d(block, positions, cache=dcache, carryover_features=carry, carryover_positions=carry_pos,
                    attn_mask=mask[:, None, None, :])
-        return d.lm_logits(hidden[:, d.proposal_rows()]).float()  # [b, P, V]
+        logits = d.lm_logits(hidden[:, d.proposal_rows()])  # [b, P, V]
+        return logits.float() if cast else logits
 
     def _draft(self, dcache, anchor_tok, anchor_pos, carry, carry_pos, carry_valid, noise, temperature, do_sample):
         d, cfg, b = self.drafter, self.drafter.config, anchor_tok.shape[0]

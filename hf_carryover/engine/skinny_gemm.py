@@ -37,20 +37,20 @@ def available(device: torch.device | str = "cuda") -> str | None:
 if triton is not None:
 
     @triton.jit
-    def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, swn, sym,
+    def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, sxm, sxk, swn, swk, sym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       STAGES: tl.constexpr, IEEE: tl.constexpr):
+                       STAGES: tl.constexpr, IEEE: tl.constexpr, ACC: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of x / y
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of w = columns of y
         rk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             kk = k0 + rk
-            x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
+            x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=(rm[:, None] < M) & (kk[None, :] < K),
                         other=0.0)  # [BLOCK_M, BLOCK_K]
-            w = tl.load(w_ptr + rn[None, :] * swn + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < K),
+            w = tl.load(w_ptr + rn[None, :] * swn + kk[:, None] * swk, mask=(rn[None, :] < N) & (kk[:, None] < K),
                         other=0.0)  # [BLOCK_K, BLOCK_N]: w's rows read as columns
             if IEEE:  # fp32 inputs: IEEE products, not TF32 (so fp32 decoding can be checked exactly)
                 acc = tl.dot(x, w, acc, input_precision="ieee")
@@ -60,20 +60,45 @@ if triton is not None:
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def skinny_mm(x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: int = 128, num_warps: int = 4,
-              num_stages: int = 3) -> torch.Tensor:
-    """`x @ w.T` for x `[M, K]` and w `[N, K]` (an nn.Linear weight), both with unit stride along K; `[M, N]` in x's
-    dtype. All M rows go to one program per `block_n` columns (M up to 64; rows are padded to 16 for the dot)."""
+def _launch(x, w, block_n, block_k, num_warps, num_stages):
     m, k = x.shape
     n = w.shape[0]
-    if w.shape[1] != k or x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError(f"skinny_mm: x {tuple(x.shape)} and w {tuple(w.shape)} need the same K with unit stride")
-    if m > 64:
-        raise ValueError(f"skinny_mm takes at most 64 rows, got {m}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-    _skinny_kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), BLOCK_M=block_m,
-                         BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages, IEEE=x.dtype == torch.float32,
-                         num_warps=num_warps)
+    _skinny_kernel[grid](x, w, y, m, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0),
+                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages,
+                         IEEE=x.dtype == torch.float32,
+                         ACC=tl.float64 if x.dtype == torch.float64 else tl.float32, num_warps=num_warps)
     return y
+
+
+@torch.library.custom_op("hf_carryover::skinny_mm", mutates_args=())
+def skinny_mm(x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: int = 256, num_warps: int = 4,
+              num_stages: int = 3) -> torch.Tensor:
+    """`x @ w.T` for x `[M, K]` and w `[N, K]` (an nn.Linear weight, any strides): `[M, N]` in x's dtype, float32
+    accumulation (float64 for float64). All M rows (at most 64) go to one program per `block_n` columns. An opaque op to torch.compile,
+    capturable in CUDA graphs."""
+    if w.dim() != 2 or x.dim() != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"skinny_mm: x {tuple(x.shape)} and w {tuple(w.shape)} must be [M, K] and [N, K]")
+    if x.shape[0] > MAX_ROWS:
+        raise ValueError(f"skinny_mm takes at most {MAX_ROWS} rows, got {x.shape[0]}")
+    return _launch(x, w, block_n, block_k, num_warps, num_stages)
+
+
+@skinny_mm.register_fake
+def _(x, w, block_n=16, block_k=256, num_warps=4, num_stages=3):
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+def settings(m: int, k: int) -> tuple[int, int, int, int]:
+    """(block_n, block_k, num_warps, num_stages) for `m` rows and input width `k`: the fastest of 54 settings at 16
+    and 32 rows on an H100 (`examples/gemm_bench.py`, `h100-2026-12-06c`): 16 columns a program, K in steps of 256
+    (512 from K = 1536 on), 2 warps up to 16 rows and 4 above, 3 pipeline stages."""
+    return 16, 256 if k <= 1024 else 512, 2 if m <= 16 else 4, 3
+
+
+# the widest output the engine gives the kernel: on the H100 it beat cuBLAS at 576 and 960 columns and lost at 3072
+# (gate/up, 32 rows); the vocabulary head stays with cuBLAS too
+MAX_COLS = 1024
+MAX_ROWS = 64

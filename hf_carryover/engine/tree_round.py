@@ -14,11 +14,12 @@ from .sampling import inverse_cdf
 from .state import DecodeState
 from .tree import (TreeSpec, accept_tree, lookup_chain_lp, lookup_ranks, node_ranks, node_tokens, select_tree,
                    static_tree, tree_mask, unique_children)
+from .vocab_topk import draft_topk
 
 
 class TreeRounds:
     """`_tree_round` and `_tree_carry` for `SpeculativeEngine`, which provides `drafter`, `lookup_siblings`,
-    `lookup_confidence`, `tree_topk`, `_steps`, `_draft_logits`, `_target_forward` and `_commit`."""
+    `lookup_confidence`, `tree_topk`, `draft_topk`, `_steps`, `_draft_logits`, `_target_forward` and `_commit`."""
 
     def _tree_round(self, st: DecodeState, tree: TreeSpec, lookup=0, nodes=None, do_sample=False):
         """One round that verifies a draft tree (`tree.py`; static or chosen per row), not the linear block.
@@ -43,9 +44,10 @@ class TreeRounds:
         what is left), in one draw per verified row."""
         k, steps, b = st.k, self._steps, st.b
         on = self.drafter.config.carryover
+        kernel = self.draft_topk == "triton" and tree.max_rank <= 64  # (`vocab_topk.py`: it reads bf16 logits as is)
         logits_d = self._draft_logits(st.dcache, st.anchor, st.anchor_pos, st.carry if on else None, st.carry_pos,
-                                      st.carry_valid if on else st.carry_valid[:, :0])
-        lp, top = logits_d[:, : tree.max_depth].log_softmax(-1).topk(tree.max_rank, -1)  # [b, D, R] each
+                                      st.carry_valid if on else st.carry_valid[:, :0], cast=not kernel)
+        lp, top = draft_topk(logits_d[:, : tree.max_depth], tree.max_rank, kernel)  # [b, D, R] each, lp float32
         hit = lpos = None
         if lookup:
             look, n_look = st.look.clone(), st.n_look.clone()  # [b, k], [b]

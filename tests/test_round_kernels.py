@@ -1,0 +1,124 @@
+"""The tree round's two Triton kernels besides attention, checked on CPU in Triton's interpreter: the drafter's
+vocabulary top-R (`vocab_topk.py`) against an exact ranking, the few-row GEMM (`skinny_gemm.py`) against float64, and
+engines that use them (`draft_topk="triton"`, `skinny_rows`) against plain greedy decoding and the torch engine.
+
+As in `test_triton_attention.py`, the interpreter must be on before Triton is imported, so the checks run in a fresh
+interpreter; the models are tiny."""
+
+import pytest
+import torch
+from test_triton_attention import _run
+
+pytest.importorskip("triton")
+
+
+def test_vocab_topk_ranks_by_logit_and_gives_log_softmax():
+    """Float32 and bf16 logits, vocabularies that do and do not fill the last 1024-token chunk, ties inside a chunk and
+    across chunks (the lower token id first), leading batch dims, r from 1 to 8: the tokens are the r largest logits
+    in order, the values float32 log_softmax at them."""
+    out = _run("""
+        from hf_carryover.engine.vocab_topk import draft_topk, vocab_topk
+
+        g = torch.Generator().manual_seed(0)
+        res = {"cases": 0}
+
+        def exact(x, r):  # ranks by logit, ties to the lower id: a stable sort of -x
+            order = torch.sort(-x.float(), dim=-1, stable=True).indices[..., :r]
+            return x.double().log_softmax(-1).gather(-1, order), order
+
+        for shape, r in (((1, 15, 49152), 8), ((2, 3, 5000), 4), ((4, 1000), 8), ((3, 7), 7), ((2, 2048), 1)):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+                x[..., 5] = x[..., 1030 % shape[-1]] = x.max() + 1  # a tie at the top, across two chunks
+                vals, ids = vocab_topk(x, r)
+                ref_v, ref_i = exact(x, r)
+                assert vals.dtype == torch.float32 and ids.dtype == torch.long and ids.shape == ref_i.shape
+                assert torch.equal(ids, ref_i), (shape, r, dtype)
+                assert (vals.double() - ref_v).abs().max() < 1e-5, (shape, r, dtype)
+                res["cases"] += 1
+        x = torch.randn(2, 4, 3000, generator=g)
+        kv, ki = draft_topk(x, 8, True)
+        tv, ti = draft_topk(x, 8, False)
+        res["draft_topk_same"] = torch.equal(ki, ti) and bool((kv - tv).abs().max() < 1e-5)
+        print(json.dumps(res))
+    """)
+    assert out["cases"] == 10 and out["draft_topk_same"], out
+
+
+def test_skinny_mm_equals_float64_and_refuses_bad_shapes():
+    """`skinny_mm` at 1-64 rows, widths that do not fill a block, a weight stored [N, K] (nn.Linear) and [K, N] (a
+    transposed view), every kernel setting the engine picks: within float32's worst-case rounding of the float64
+    product (k * 2^-24 * |x| |w|: any float32 sum of the right products stays below it); more
+    than 64 rows and mismatched widths are refused by name."""
+    out = _run("""
+        from hf_carryover.engine.skinny_gemm import settings, skinny_mm
+
+        g = torch.Generator().manual_seed(0)
+        worst, n_cases = 0.0, 0
+        for m, n, k in ((1, 40, 72), (8, 64, 576), (16, 33, 130), (32, 96, 1600), (47, 17, 300), (64, 48, 64)):
+            x = torch.randn(m, k, generator=g)
+            w = torch.randn(n, k, generator=g)
+            ref = x.double() @ w.double().T
+            bound = k * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)  # float32's worst case for k products
+            for wt in (w, w.T.contiguous().T):
+                for cfg in (settings(m, k), (16, 64, 4, 2), (32, 128, 2, 1)):
+                    y = skinny_mm(x, wt, *cfg)
+                    assert y.shape == (m, n) and y.dtype == torch.float32
+                    worst = max(worst, ((y.double() - ref).abs() / bound).max().item())
+                    n_cases += 1
+        errors = []
+        for x, w in ((torch.randn(65, 8), torch.randn(4, 8)), (torch.randn(2, 8), torch.randn(4, 9))):
+            try:
+                skinny_mm(x, w)
+            except ValueError as e:
+                errors.append(str(e))
+        print(json.dumps({"worst": worst, "cases": n_cases, "errors": errors}))
+    """)
+    assert out["cases"] == 36 and out["worst"] < 1, out  # a product missed or counted twice: >> 1
+    assert "at most 64 rows" in out["errors"][0] and "[M, K] and [N, K]" in out["errors"][1], out
+
+
+def test_engines_with_the_round_kernels_equal_plain_greedy():
+    """Tree rounds (a dynamic tree with lookup, a Carryover drafter) with the drafter's top-R on `vocab_topk` give
+    plain greedy decoding's tokens and, in float32 (no ties), the torch engine's rounds; a compiled engine with frozen
+    weights hands its tree rounds' GEMMs of 2-64 rows to `skinny_mm` (`skinny_rows`) and still decodes those tokens.
+    Options that cannot work are refused by name."""
+    out = _run("""
+        from conftest import build_drafter, build_target
+        from test_engine import _greedy_refs, _prompts
+        from test_engine_tree import WIDE
+        from hf_carryover.engine.engine import SpeculativeEngine
+
+        res = {}
+        target = build_target("llama", num_layers=2)
+        drafter = build_drafter(target, "dflash", True, target_layer_ids=[0])
+        prompts = _prompts(2, (3, 9))
+        refs = _greedy_refs(target, prompts, 14)
+        kw = dict(max_new_tokens=14, tree=WIDE, tree_nodes=5, prompt_lookup_num_tokens=3)
+        torch_eng = SpeculativeEngine(target, drafter, max_len=96)
+        res["torch"] = torch_eng.generate(prompts, **kw) == refs
+        tri = SpeculativeEngine(target, drafter, max_len=96, draft_topk="triton")
+        res["triton"] = tri.generate(prompts, **kw) == refs
+        res["same_rounds"] = tri.rounds == torch_eng.rounds
+        res["draft_topk"] = [tri.draft_topk, SpeculativeEngine(target, drafter, max_len=96, draft_topk="auto").draft_topk]
+        target64, drafter64 = target.double(), drafter.double()
+        refs64 = _greedy_refs(target64, prompts, 12)
+        comp = SpeculativeEngine(target64, drafter64, max_len=96, compile=True, skinny_rows=64,
+                                 compile_options={"freezing": True, "fx_graph_cache": False})
+        res["skinny"] = comp.generate(prompts, max_new_tokens=12, tree=WIDE, tree_nodes=5) == refs64
+        res["skinny_record"] = comp.fused_projections.record()
+        errors = []
+        for bad in (dict(draft_topk="fast"), dict(skinny_rows=8), dict(skinny_rows=-1)):
+            try:
+                SpeculativeEngine(target, drafter, max_len=96, **bad)
+            except ValueError as e:
+                errors.append(str(e))
+        res["errors"] = errors
+        print(json.dumps(res))
+    """)
+    assert out["torch"] and out["triton"] and out["same_rounds"], out
+    assert out["draft_topk"] == ["triton", "torch"], out  # "auto" takes the kernel on CUDA only
+    assert out["skinny"] and out["skinny_record"]["skinny_gemms"] > 0, out
+    errors = out["errors"]
+    assert "draft_topk='fast'" in errors[0] and "skinny_rows=8" in errors[1] and "freezing" in errors[1], out
+    assert "skinny_rows=-1: a number of rows" in errors[2], out
