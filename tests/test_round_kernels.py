@@ -6,7 +6,6 @@ As in `test_triton_attention.py`, the interpreter must be on before Triton is im
 interpreter; the models are tiny."""
 
 import pytest
-import torch
 from test_triton_attention import _run
 
 pytest.importorskip("triton")
