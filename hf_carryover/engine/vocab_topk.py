@@ -34,10 +34,10 @@ except ImportError:
     triton = tl = None
 
 CHUNK = 1024  # tokens a first-stage program ranks (a power of two; 48 chunks for the reference vocabulary)
-_NONE = 2 ** 31 - 1  # the index a masked lane carries: above every token id, so ties never pick it
 
 
 if triton is not None:
+    _NONE = tl.constexpr(2 ** 31 - 1)  # the index a masked lane carries: above every token id, so ties never pick it
 
     @triton.jit
     def _chunk_kernel(x_ptr, sx, V, C, mx_ptr, se_ptr, val_ptr, idx_ptr, R: tl.constexpr, CHUNK: tl.constexpr):
