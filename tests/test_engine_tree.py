@@ -200,7 +200,7 @@ def test_best_ids_keeps_the_best_in_index_order():
 
 
 def test_tree_topk_choice_gives_the_same_rounds():
-    """tree_topk="ranked" and "torch" (the default) pick the same tree nodes on an untrained drafter's logits (no
+    """tree_topk="ranked" (the default) and "torch" pick the same tree nodes on an untrained drafter's logits (no
     ties): same output and rounds, static and dynamic trees, with a lookup; a bad value is refused."""
     target = build_target("llama", seed=4)
     drafter = build_drafter(target, "dflash", True)

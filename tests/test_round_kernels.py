@@ -99,7 +99,8 @@ def test_engines_with_the_round_kernels_equal_plain_greedy():
         tri = SpeculativeEngine(target, drafter, max_len=96, draft_topk="triton")
         res["triton"] = tri.generate(prompts, **kw) == refs
         res["same_rounds"] = tri.rounds == torch_eng.rounds
-        res["draft_topk"] = [tri.draft_topk, SpeculativeEngine(target, drafter, max_len=96, draft_topk="auto").draft_topk]
+        auto = SpeculativeEngine(target, drafter, max_len=96, draft_topk="auto")
+        res["draft_topk"] = [tri.draft_topk, auto.draft_topk]
         target64, drafter64 = target.double(), drafter.double()
         refs64 = _greedy_refs(target64, prompts, 12)
         comp = SpeculativeEngine(target64, drafter64, max_len=96, compile=True, skinny_rows=64,

@@ -100,7 +100,7 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
                  attention: str = "auto", attention_mode: str = "dense", attention_block_n: int = 128,
                  attention_warps: int = 4, attention_split_n: int = 256, attention_min_rows: int | None = None,
                  attention_block_m: int = 16, attention_one_row_keys: int | str | None = "auto",
-                 run_ahead: bool = True, tree_topk: str = "torch", draft_topk: str = "torch",
+                 run_ahead: bool = True, tree_topk: str = "ranked", draft_topk: str = "auto",
                  drafter_attention: str = "auto",
                  rope_table: bool | str = "auto", dynamic_prefill: bool = True, prefill_ahead: bool | int = True,
                  gemv_rows: int | str = "auto", gemv_fusion: bool | str = False, skinny_rows: int = 0):
@@ -201,11 +201,13 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
         else SDPA. With the "dense" defaults a tree 31 + lookup round cost 1.606 against 1.648 ms on 80 HumanEval
         prompts (`h200-2026-12-04e`). The drafter only proposes: its attention can change τ, never the output.
 
-        tree_topk="ranked": dynamic trees pick their nodes without topk and sort launches (`tree.best_ids`); "torch"
-        (the default): with them. The same nodes but for ties. draft_topk="triton": tree rounds rank the drafter's
-        tokens over the vocabulary with `vocab_topk.py`'s two launches instead of torch's log_softmax and radix topk
-        (CUDA, or Triton's interpreter; ranks up to 64); "auto": that on CUDA where Triton is installed; "torch" (the
-        default): torch. The same tokens but for ties.
+        tree_topk="ranked" (the default): dynamic trees pick their nodes without topk and sort launches
+        (`tree.best_ids`); "torch": with them. draft_topk="triton": tree rounds rank the drafter's tokens over the
+        vocabulary with `vocab_topk.py`'s two launches instead of torch's log_softmax and radix topk (CUDA, or Triton's
+        interpreter; ranks up to 64); "auto" (the default): that on CUDA where Triton is installed; "torch": torch.
+        Either choice gives the same nodes and tokens but for ties. On an H100 (the reference target's shapes, tree 31
+        + lookup, `h100-2026-12-06c`) a captured round took 1.431 ms with neither, 1.336 with draft_topk="triton" and
+        skinny_rows=64, 1.323 with tree_topk="ranked" as well.
 
         rope_table="auto" (the default): the target's and the drafter's RoPE cos/sin are read by position from tables
         of their rotary modules' own values (`rope_table.py`), so a compiled round's layers load them instead of each

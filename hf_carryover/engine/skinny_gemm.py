@@ -80,8 +80,8 @@ def _launch(x, w, block_n, block_k, num_warps, num_stages):
 def skinny_mm(x: torch.Tensor, w: torch.Tensor, block_n: int = 16, block_k: int = 256, num_warps: int = 4,
               num_stages: int = 3) -> torch.Tensor:
     """`x @ w.T` for x `[M, K]` and w `[N, K]` (an nn.Linear weight, any strides): `[M, N]` in x's dtype, float32
-    accumulation (float64 for float64). All M rows (at most 64) go to one program per `block_n` columns. An opaque op to torch.compile,
-    capturable in CUDA graphs."""
+    accumulation (float64 for float64). All M rows (at most 64) go to one program per `block_n` columns. An opaque op
+    to torch.compile, capturable in CUDA graphs."""
     if w.dim() != 2 or x.dim() != 2 or w.shape[1] != x.shape[1]:
         raise ValueError(f"skinny_mm: x {tuple(x.shape)} and w {tuple(w.shape)} must be [M, K] and [N, K]")
     if x.shape[0] > MAX_ROWS:

@@ -121,12 +121,4 @@ def draft_topk(logits: torch.Tensor, r: int, kernel: bool) -> tuple[torch.Tensor
     return logits.float().log_softmax(-1).topk(r, -1)
 
 
-def usable(device, vocab_size: int, r: int) -> str | None:
-    """None when `vocab_topk` can rank `r` of `vocab_size` tokens on `device`; otherwise why not."""
-    why = available(device)
-    if why is None and not 1 <= r <= min(vocab_size, 64):
-        why = f"rank {r}: the kernel takes 1 to 64 ranks within the vocabulary ({vocab_size})"
-    return why
-
-
-__all__ = ["CHUNK", "draft_topk", "usable", "vocab_topk"]
+__all__ = ["CHUNK", "available", "draft_topk", "vocab_topk"]
