@@ -13,8 +13,9 @@ pytest.importorskip("triton")
 
 def test_vocab_topk_ranks_by_logit_and_gives_log_softmax():
     """Float32 and bf16 logits, vocabularies that do and do not fill the last 1024-token chunk, ties inside a chunk and
-    across chunks (the lower token id first), leading batch dims, r from 1 to 8: the tokens are the r largest logits
-    in order, the values float32 log_softmax at them."""
+    across chunks (the lower token id first), leading batch dims, r from 1 to 8, logits that are strided views (a
+    slice of rows, one row, a broadcast, steps): the tokens are the r largest logits in order, the values float32
+    log_softmax at them."""
     out = _run("""
         from hf_carryover.engine.vocab_topk import draft_topk, vocab_topk
 
@@ -35,13 +36,20 @@ def test_vocab_topk_ranks_by_logit_and_gives_log_softmax():
                 assert torch.equal(ids, ref_i), (shape, r, dtype)
                 assert (vals.double() - ref_v).abs().max() < 1e-5, (shape, r, dtype)
                 res["cases"] += 1
+        # strided views (a tree round passes the [b, :D] slice of the drafter's [b, P, V] logits)
+        full = torch.randn(3, 6, 2500, generator=g)
+        for x in (full[:, :4], full[1, 2], full[:2, :3, None].expand(2, 3, 2, 2500), full[::2, 1::2]):
+            vals, ids = vocab_topk(x, 5)
+            ref_v, ref_i = exact(x, 5)
+            assert torch.equal(ids, ref_i) and (vals.double() - ref_v).abs().max() < 1e-5, tuple(x.shape)
+            res["cases"] += 1
         x = torch.randn(2, 4, 3000, generator=g)
         kv, ki = draft_topk(x, 8, True)
         tv, ti = draft_topk(x, 8, False)
         res["draft_topk_same"] = torch.equal(ki, ti) and bool((kv - tv).abs().max() < 1e-5)
         print(json.dumps(res))
     """)
-    assert out["cases"] == 10 and out["draft_topk_same"], out
+    assert out["cases"] == 14 and out["draft_topk_same"], out
 
 
 def test_skinny_mm_equals_float64_and_refuses_bad_shapes():
