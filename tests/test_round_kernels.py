@@ -58,7 +58,7 @@ def test_skinny_mm_equals_float64_and_refuses_bad_shapes():
     product (k * 2^-24 * |x| |w|: any float32 sum of the right products stays below it); more
     than 64 rows and mismatched widths are refused by name."""
     out = _run("""
-        from hf_carryover.engine.skinny_gemm import settings, skinny_mm
+        from hf_carryover.engine.skinny_gemm import settings, silu_mul_mm, skinny_mm
 
         g = torch.Generator().manual_seed(0)
         worst, n_cases = 0.0, 0
@@ -73,22 +73,38 @@ def test_skinny_mm_equals_float64_and_refuses_bad_shapes():
                     assert y.shape == (m, n) and y.dtype == torch.float32
                     worst = max(worst, ((y.double() - ref).abs() / bound).max().item())
                     n_cases += 1
+        # silu_mul_mm: the gated MLP's down projection, gate and up as the two halves of one [M, 2K] tensor
+        worst_gated = 0.0
+        for dtype in (torch.float32, torch.float64):
+            gu = torch.randn(24, 2 * 96, generator=g, dtype=dtype)
+            w = torch.randn(40, 96, generator=g, dtype=dtype)
+            gate, up = gu[:, :96], gu[:, 96:]
+            y = silu_mul_mm(gate, up, w, *settings(24, 96))
+            x = torch.nn.functional.silu(gate.double()) * up.double()
+            ref = x @ w.double().T
+            bound = 96 * 2.0 ** -24 * (x.abs() @ w.double().abs().T) + 1e-300
+            worst_gated = max(worst_gated,
+                              ((y.double() - ref).abs() / bound).max().item())
         errors = []
         for x, w in ((torch.randn(65, 8), torch.randn(4, 8)), (torch.randn(2, 8), torch.randn(4, 9))):
             try:
                 skinny_mm(x, w)
             except ValueError as e:
                 errors.append(str(e))
-        print(json.dumps({"worst": worst, "cases": n_cases, "errors": errors}))
+        print(json.dumps({"worst": worst, "cases": n_cases, "errors": errors, "worst_gated": worst_gated}))
     """)
     assert out["cases"] == 36 and out["worst"] < 1, out  # a product missed or counted twice: >> 1
+    # float32: the product rounded to float32 before the dot, as a separate kernel would store it (within the bound);
+    # float64: within float64's own rounding, far below float32's bound
+    assert out["worst_gated"] < 1, out
     assert "at most 64 rows" in out["errors"][0] and "[M, K] and [N, K]" in out["errors"][1], out
 
 
 def test_engines_with_the_round_kernels_equal_plain_greedy():
     """Tree rounds (a dynamic tree with lookup, a Carryover drafter) with the drafter's top-R on `vocab_topk` give
     plain greedy decoding's tokens and, in float32 (no ties), the torch engine's rounds; a compiled engine with frozen
-    weights hands its tree rounds' GEMMs of 2-64 rows to `skinny_mm` (`skinny_rows`) and still decodes those tokens.
+    weights hands its tree rounds' GEMMs of 2-64 rows to `skinny_mm` and its gated MLPs' down projections to
+    `silu_mul_mm` (`skinny_rows`) and still decodes those tokens, again on a second call without recompiling.
     Options that cannot work are refused by name."""
     out = _run("""
         from conftest import build_drafter, build_target
@@ -113,8 +129,17 @@ def test_engines_with_the_round_kernels_equal_plain_greedy():
         refs64 = _greedy_refs(target64, prompts, 12)
         comp = SpeculativeEngine(target64, drafter64, max_len=96, compile=True, skinny_rows=64,
                                  compile_options={"freezing": True, "fx_graph_cache": False})
-        res["skinny"] = comp.generate(prompts, max_new_tokens=12, tree=WIDE, tree_nodes=5) == refs64
+        from torch._inductor.utils import run_and_get_code
+
+        out64, codes = run_and_get_code(lambda: comp.generate(prompts, max_new_tokens=12, tree=WIDE, tree_nodes=5))
+        res["skinny"] = out64 == refs64
+        res["gated_calls"] = sum(c.count("silu_mul_mm") for c in codes)  # in the compiled rounds' code
         res["skinny_record"] = comp.fused_projections.record()
+        res["gated_mlps"] = len(comp.gated_mlps.modules)  # the target's 2 layers and the drafter's
+        res["restored"] = all("forward" not in m.__dict__ for m in comp.gated_mlps.modules)
+        frames = dict(torch._dynamo.utils.counters["frames"])
+        res["again"] = comp.generate(prompts, max_new_tokens=12, tree=WIDE, tree_nodes=5) == refs64
+        res["recompiled"] = dict(torch._dynamo.utils.counters["frames"]) != frames
         errors = []
         for bad in (dict(draft_topk="fast"), dict(skinny_rows=8), dict(skinny_rows=-1)):
             try:
@@ -127,6 +152,9 @@ def test_engines_with_the_round_kernels_equal_plain_greedy():
     assert out["torch"] and out["triton"] and out["same_rounds"], out
     assert out["draft_topk"] == ["triton", "torch"], out  # "auto" takes the kernel on CUDA only
     assert out["skinny"] and out["skinny_record"]["skinny_gemms"] > 0, out
+    # the gated MLPs: swapped while decoding, their class forward back after, no recompile on the next call
+    assert out["gated_mlps"] >= 3 and out["gated_calls"] > 0, out
+    assert out["restored"] and out["again"] and not out["recompiled"], out
     errors = out["errors"]
     assert "draft_topk='fast'" in errors[0] and "skinny_rows=8" in errors[1] and "freezing" in errors[1], out
     assert "skinny_rows=-1: a number of rows" in errors[2], out

@@ -46,7 +46,7 @@ from .capture import CapturedRounds, _is_cuda  # (tests patch `engine._is_cuda` 
 from .compiling import check_inductor_options  # (re-exported: drafters' tree rounds)
 from .triton_attention import available as triton_available
 from .triton_attention import check_settings as check_triton_settings
-from .vocab_topk import available as vocab_topk_available
+from .gated_mlp import GatedMLPs
 from .graphs import install_output_hooks, run_ahead
 from .inputs import check_decoding, prompt_lists
 from .linear_round import LinearRounds
@@ -59,6 +59,7 @@ from .static_cache import DrafterStaticCache, TargetStaticCache
 from .timing import PhaseClock, predicted_speedup
 from .tree import check_tree
 from .tree_round import TreeRounds
+from .vocab_topk import available as vocab_topk_available
 
 
 def _decoding(method):
@@ -264,7 +265,9 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
 
         skinny_rows=N (with compile and freezing; default 0, off): frozen-weight GEMMs of more than gemv_rows and at
         most N rows (up to 64) and at most 1024 output columns run on `skinny_gemm.py`'s Triton kernel instead of
-        cuBLAS (a tree round's verify and drafter projections; `fuse_projections.py` says what was timed)."""
+        cuBLAS (a tree round's verify and drafter projections; `fuse_projections.py` says what was timed), and gated
+        SiLU MLPs compute SiLU(gate) * up inside their down projection's kernel for calls of up to N rows
+        (`gated_mlp.py`; not timed yet)."""
         if not any(rope_table is v for v in (True, False)) and rope_table != "auto":
             raise ValueError(f"rope_table={rope_table!r}: 'auto', True or False.")
         if not isinstance(dynamic_prefill, bool):
@@ -332,6 +335,8 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
         self.timing = {"draft": 0.0, "verify": 0.0, "other": 0.0, "rounds": 0}
         self.target = target  # eval mode while decoding only (`_decoding`)
         self.drafter = drafter
+        # skinny_rows: the gated MLPs' down projections read SiLU(gate) * up in their GEMM (`gated_mlp.py`)
+        self.gated_mlps = GatedMLPs([target, drafter], self.skinny_rows) if self.skinny_rows else None
         check_attention(target)  # flash / flex targets cannot take the rounds' 4D mask: refused now, by name
         if drafter is not None:
             drafter.bind_target(target)
@@ -366,10 +371,12 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
     def attention_context(self):
         """The target's attention as this engine's rounds run it (`attention.engine_attention`): SDPA with grouped
         heads, or the Triton kernel with this engine's settings (attention="triton"); the drafter's on the kernel
-        too where `drafter_attention` says so (`attention.use_drafter_kernel`); RoPE from a table with `rope_table`."""
+        too where `drafter_attention` says so (`attention.use_drafter_kernel`); RoPE from a table with `rope_table`;
+        gated MLPs through `skinny_gemm.silu_mul_mm` with `skinny_rows` (`gated_mlp.py`)."""
         target = (engine_attention(self.target, TRITON_ATTENTION, self.attention_settings)
                   if self.attention == "triton" else engine_attention(self.target))
-        with target, use_drafter_kernel(self.drafter, self._drafter_kernel), use_rope_tables(self._ropes):
+        with target, use_drafter_kernel(self.drafter, self._drafter_kernel), use_rope_tables(self._ropes), \
+                self.gated_mlps or contextlib.nullcontext():
             yield
 
     # ------------------------------------------------------------------ static buffers

@@ -1,0 +1,64 @@
+"""Gated MLPs whose down projection reads SiLU(gate) * up inside its GEMM, while the engine decodes (`skinny_rows`).
+
+Why: in a compiled tree round every decoder layer launches a pointwise kernel for SiLU(gate) * up between the merged
+gate/up GEMM and the down projection: 30 launches of 1.27 us a round for the reference target on an H100
+(`h100-2026-12-06c`), each also a gap in the round. `skinny_gemm.silu_mul_mm` computes that product in the down
+projection's loads, so the round launches neither the pointwise kernel nor a separate GEMM for it.
+
+How: for the duration of the engine's calls (`SpeculativeEngine.attention_context`), each MLP of the form transformers
+writes for Llama, Qwen3, Mistral and the drafter's layers (`gate_proj`, `up_proj`, `down_proj` linears without bias,
+SiLU activation) gets `gated_forward` as its instance `forward`; on exit the class's forward is back. The bound
+methods are made once per engine and set again on every call, so a compiled round sees the same objects each time and
+does not recompile. Calls of more than `rows` token rows (a prefill), or whose row count is not a plain int (a
+prefill compiled with a dynamic width), run the class's forward. Not timed on a GPU yet.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from .skinny_gemm import MAX_ROWS, settings, silu_mul_mm
+
+
+def _is_gated_silu_mlp(module) -> bool:
+    parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    act = getattr(module, "act_fn", None)
+    return (all(isinstance(p, torch.nn.Linear) and p.bias is None for p in parts)
+            and type(act).__name__ in ("SiLU", "SiLUActivation"))
+
+
+def gated_forward(self, x):
+    """`down_proj(silu(gate_proj(x)) * up_proj(x))` through `silu_mul_mm` for at most `self._gated_rows` rows."""
+    rows = x.shape[:-1].numel()
+    if not isinstance(rows, int) or rows > self._gated_rows or rows == 0:
+        return type(self).forward(self, x)
+    gate = self.gate_proj(x).reshape(rows, -1)  # [..., I] -> [rows, I]
+    up = self.up_proj(x).reshape(rows, -1)
+    out = silu_mul_mm(gate, up, self.down_proj.weight, *settings(rows, gate.shape[1]))  # [rows, hidden]
+    return out.reshape(*x.shape[:-1], -1)
+
+
+class GatedMLPs:
+    """A context manager over the gated SiLU MLPs of `models` (None entries skipped): inside it their forward is
+    `gated_forward` for calls of at most `rows` rows. `self.modules` lists what it swaps."""
+
+    def __init__(self, models, rows: int):
+        self.modules = [m for model in models if model is not None for m in model.modules() if _is_gated_silu_mlp(m)]
+        self.rows = min(int(rows), MAX_ROWS)
+        self._bound = [types.MethodType(gated_forward, m) for m in self.modules]  # made once: see the module docstring
+
+    def __enter__(self):
+        for m, bound in zip(self.modules, self._bound):
+            m._gated_rows = self.rows
+            m.forward = bound
+        return self
+
+    def __exit__(self, *exc):
+        for m in self.modules:
+            m.__dict__.pop("forward", None)
+        return False
+
+
+__all__ = ["GatedMLPs", "gated_forward"]
