@@ -7,10 +7,11 @@ projection's loads, so the round launches neither the pointwise kernel nor a sep
 
 How: for the duration of the engine's calls (`SpeculativeEngine.attention_context`), each MLP of the form transformers
 writes for Llama, Qwen3, Mistral and the drafter's layers (`gate_proj`, `up_proj`, `down_proj` linears without bias,
-SiLU activation) gets `gated_forward` as its instance `forward`; on exit the class's forward is back. The bound
-methods are made once per engine and set again on every call, so a compiled round sees the same objects each time and
-does not recompile. Calls of more than `rows` token rows (a prefill), or whose row count is not a plain int (a
-prefill compiled with a dynamic width), run the class's forward. Not timed on a GPU yet.
+SiLU activation, a hidden size of at most `skinny_gemm.MAX_COLS`) gets `gated_forward` as its instance `forward`; on
+exit the class's forward is back. The bound methods are made once per engine and set again on every call, so a
+compiled round sees the same objects each time and does not recompile. Calls of more than `rows` token rows (a
+prefill), or whose row count is not a plain int (a prefill compiled with a dynamic width), run the class's forward.
+Not timed on a GPU yet.
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ import types
 
 import torch
 
-from .skinny_gemm import MAX_ROWS, settings, silu_mul_mm
+from .skinny_gemm import MAX_COLS, MAX_ROWS, settings, silu_mul_mm
 
 
 def _is_gated_silu_mlp(module) -> bool:
+    """A gated SiLU MLP whose down projection is no wider than the kernel is used for (`skinny_gemm.MAX_COLS`)."""
     parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
     act = getattr(module, "act_fn", None)
     return (all(isinstance(p, torch.nn.Linear) and p.bias is None for p in parts)
-            and type(act).__name__ in ("SiLU", "SiLUActivation"))
+            and type(act).__name__ in ("SiLU", "SiLUActivation") and parts[2].out_features <= MAX_COLS)
 
 
 def gated_forward(self, x):

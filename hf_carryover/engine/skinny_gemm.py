@@ -8,8 +8,10 @@ program a narrow slice of output columns (`block_n`) for all rows at once, so ea
 the grid is wide (a 576-column projection: 36 programs at 16 columns), and it walks K in large steps (`block_k`) that
 Triton pipelines (`num_stages`).
 
-The engine uses it only where a timing says it wins (`examples/gemm_bench.py` compares it with cuBLAS inside CUDA
-graphs at the target's shapes); it is exact up to the order of the fp32 sums inside one dot product.
+The engine uses it only with `skinny_rows` (opt-in), for the shapes where `examples/gemm_bench.py` timed it faster
+than cuBLAS inside CUDA graphs (`settings`, `MAX_COLS`), and for gated MLPs' down projections with their SiLU(gate) * up
+made in its loads (`silu_mul_mm`, `gated_mlp.py`; not timed yet). It is exact up to the order of the float32 sums
+inside one dot product.
 """
 
 from __future__ import annotations
