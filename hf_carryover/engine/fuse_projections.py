@@ -162,6 +162,22 @@ class FuseSharedInputMatmuls(CustomGraphPass):
                     delattr(gm, w.target)
 
 
+def _constant_weight_mms(graph):
+    """`(node, x, W, x's fake value, W's)` for every `mm(x [M, K], W [K, N])` of `graph` with a constant 2-D W and all
+    four sizes plain ints, over a snapshot of the nodes (the rewrites below replace them as they go)."""
+    mm = torch.ops.aten.mm.default
+    for node in list(graph.nodes):
+        if not is_call(node, mm) or node.kwargs:
+            continue
+        x, w = node.args
+        if _constant(x) or not _constant(w) or "val" not in x.meta or "val" not in w.meta:
+            continue
+        xv, wv = x.meta["val"], w.meta["val"]
+        if xv.dim() != 2 or wv.dim() != 2 or not all(type(d) is int for d in (*xv.shape, *wv.shape)):
+            continue
+        yield node, x, w, xv, wv
+
+
 def _as_reductions(graph, rows: int, fold: bool = False, split: bool = False,
                    weights_first: bool = False) -> tuple[int, int]:
     """Rewrite `mm(x [M, K], W [K, N])` with a constant W and M <= rows as `sum(x[:, :, None] * W[None], 1)` in float32
@@ -174,17 +190,9 @@ def _as_reductions(graph, rows: int, fold: bool = False, split: bool = False,
     Why both can be chosen: on the CPU proxy (`examples/kernel_census.py`), folding kept q/k/v's reduction persistent
     (K loaded once), while the split gate/up, its norm recomputed per slice, became a looped reduction (three sums over
     K in two loops); with both, an H100 step was slower than with neither (examples/results/h100-2026-12-05d)."""
-    mm, count, folded = torch.ops.aten.mm.default, 0, 0
-    for node in list(graph.nodes):
-        if not is_call(node, mm) or node.kwargs:
-            continue
-        x, w = node.args
-        if _constant(x) or not _constant(w) or "val" not in x.meta or "val" not in w.meta:
-            continue
-        xv, wv = x.meta["val"], w.meta["val"]
-        if xv.dim() != 2 or wv.dim() != 2 or not isinstance(xv.shape[0], int) or xv.shape[0] > rows:
-            continue
-        if not all(type(d) is int for d in (*xv.shape, *wv.shape)):
+    count, folded = 0, 0
+    for node, x, w, xv, wv in _constant_weight_mms(graph):
+        if xv.shape[0] > rows:
             continue
         call = node_maker(graph, xv.fake_mode)
         dtype = node.meta["val"].dtype
@@ -218,16 +226,8 @@ def _as_reductions(graph, rows: int, fold: bool = False, split: bool = False,
 def _as_skinny(graph, above: int, rows: int) -> int:
     """Rewrite `mm(x [M, K], W [K, N])` with a constant W, `above` < M <= `rows` and N <= `skinny_gemm.MAX_COLS` as
     `skinny_mm(x, W.T)` with the kernel's settings for M and K (`skinny_gemm.settings`). Returns the GEMMs rewritten."""
-    mm, op, count = torch.ops.aten.mm.default, torch.ops.hf_carryover.skinny_mm.default, 0
-    for node in list(graph.nodes):
-        if not is_call(node, mm) or node.kwargs:
-            continue
-        x, w = node.args
-        if _constant(x) or not _constant(w) or "val" not in x.meta or "val" not in w.meta:
-            continue
-        xv, wv = x.meta["val"], w.meta["val"]
-        if xv.dim() != 2 or wv.dim() != 2 or not all(type(d) is int for d in (*xv.shape, *wv.shape)):
-            continue
+    op, count = torch.ops.hf_carryover.skinny_mm.default, 0
+    for node, x, w, xv, wv in _constant_weight_mms(graph):
         m, (k, n) = xv.shape[0], wv.shape
         if (not above < m <= min(rows, skinny_gemm.MAX_ROWS) or n > skinny_gemm.MAX_COLS
                 or skinny_gemm.available(xv.device)):

@@ -16,24 +16,10 @@ inside one dot product.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = tl = None
-
-
-def available(device: torch.device | str = "cuda") -> str | None:
-    """None when the kernel can run on `device`; otherwise why not."""
-    if triton is None:
-        return "Triton is not installed (pip install triton)"
-    if torch.device(device).type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
-        return "off CUDA the kernel runs only in Triton's interpreter (TRITON_INTERPRET=1 before Triton's import)"
-    return None
+# Triton (None where it is not installed) and where a Triton kernel can run: the attention kernel's own rules
+from .triton_attention import available, tl, triton  # (available: re-exported)
 
 
 if triton is not None:
@@ -139,3 +125,6 @@ def settings(m: int, k: int) -> tuple[int, int, int, int]:
 # (gate/up, 32 rows); the vocabulary head stays with cuBLAS too
 MAX_COLS = 1024
 MAX_ROWS = 64
+
+
+__all__ = ["MAX_COLS", "MAX_ROWS", "available", "settings", "silu_mul_mm", "skinny_mm"]

@@ -25,13 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .skinny_gemm import available
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = tl = None
+from .triton_attention import available, tl, triton  # (available: re-exported)
 
 CHUNK = 1024  # tokens a first-stage program ranks (a power of two; 48 chunks for the reference vocabulary)
 
