@@ -140,8 +140,11 @@ def test_engines_with_the_round_kernels_equal_plain_greedy():
         frames = dict(torch._dynamo.utils.counters["frames"])
         res["again"] = comp.generate(prompts, max_new_tokens=12, tree=WIDE, tree_nodes=5) == refs64
         res["recompiled"] = dict(torch._dynamo.utils.counters["frames"]) != frames
+        plain_mlps = SpeculativeEngine(target64, drafter64, max_len=96, compile=True, skinny_rows=64, gated_mlp=False,
+                                       compile_options={"freezing": True})
+        res["gated_off"] = plain_mlps.gated_mlps is None and plain_mlps.skinny_rows == 64
         errors = []
-        for bad in (dict(draft_topk="fast"), dict(skinny_rows=8), dict(skinny_rows=-1)):
+        for bad in (dict(draft_topk="fast"), dict(skinny_rows=8), dict(skinny_rows=-1), dict(gated_mlp="no")):
             try:
                 SpeculativeEngine(target, drafter, max_len=96, **bad)
             except ValueError as e:
@@ -158,3 +161,4 @@ def test_engines_with_the_round_kernels_equal_plain_greedy():
     errors = out["errors"]
     assert "draft_topk='fast'" in errors[0] and "skinny_rows=8" in errors[1] and "freezing" in errors[1], out
     assert "skinny_rows=-1: a number of rows" in errors[2], out
+    assert out["gated_off"] and "gated_mlp='no'" in errors[3], out  # gated_mlp=False: the kernel GEMMs only

@@ -1,7 +1,8 @@
 """The tree round's Triton kernels on the GPU, before a timing trusts them (`h100-2026-12-06c`): `vocab_topk` on random
 bf16 logits against an exact ranking (a stable sort of the logits) and float64 log-softmax, and how often torch's topk
 picks the same tokens; `skinny_mm` in bf16 against a float32 product, and in fp32 against float32's worst-case
-rounding bound. Prints one JSON line.
+rounding bound; `silu_mul_mm` (the gated MLPs' down projection, `gated_mlp.py`) the same way against SiLU(gate) * up
+rounded to the inputs' dtype, as a separate kernel stores it. Prints one JSON line.
 
     python trainer/gpu_kernel_sanity.py > sanity.json
 """
@@ -9,7 +10,7 @@ import json
 
 import torch
 
-from hf_carryover.engine.skinny_gemm import settings, skinny_mm
+from hf_carryover.engine.skinny_gemm import settings, silu_mul_mm, skinny_mm
 from hf_carryover.engine.vocab_topk import vocab_topk
 
 torch.manual_seed(0)
@@ -30,4 +31,16 @@ for m, n, k in ((32, 960, 576), (16, 576, 2880), (8, 576, 1536)):
     y32, ref64 = skinny_mm(a32, w32, *settings(m, k)), a32.double() @ w32.double().T
     bound = k * 2 ** -24 * (a32.double().abs() @ w32.double().abs().T)
     res[f"skinny32_{m}x{n}x{k}_err_over_bound"] = ((y32.double() - ref64).abs() / bound).max().item()
+for m, n, k in ((32, 576, 1536), (16, 576, 1536)):  # the reference target's and drafter's down projections
+    gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+    gate, up = gate_up[:, :k], gate_up[:, k:]  # the two halves of a merged gate/up GEMM's output, strided
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    prod = (torch.nn.functional.silu(gate.float()) * up.float()).to(torch.bfloat16)
+    y, ref = silu_mul_mm(gate, up, w, *settings(m, k)), prod.float() @ w.float().T
+    res[f"silu_mul_{m}x{n}x{k}_rel"] = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+    g32, u32, w32 = gate.float(), up.float(), w.float()
+    prod32 = torch.nn.functional.silu(g32) * u32
+    y32, ref64 = silu_mul_mm(g32, u32, w32, *settings(m, k)), prod32.double() @ w32.double().T
+    bound = (k + 4) * 2 ** -24 * (prod32.double().abs() @ w32.double().abs().T)  # + the product's own roundings
+    res[f"silu_mul32_{m}x{n}x{k}_err_over_bound"] = ((y32.double() - ref64).abs() / bound).max().item()
 print(json.dumps(res))

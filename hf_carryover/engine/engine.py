@@ -104,7 +104,8 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
                  run_ahead: bool = True, tree_topk: str = "ranked", draft_topk: str = "auto",
                  drafter_attention: str = "auto",
                  rope_table: bool | str = "auto", dynamic_prefill: bool = True, prefill_ahead: bool | int = True,
-                 gemv_rows: int | str = "auto", gemv_fusion: bool | str = False, skinny_rows: int = 0):
+                 gemv_rows: int | str = "auto", gemv_fusion: bool | str = False, skinny_rows: int = 0,
+                 gated_mlp: bool = True):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -267,7 +268,8 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
         most N rows (up to 64) and at most 1024 output columns run on `skinny_gemm.py`'s Triton kernel instead of
         cuBLAS (a tree round's verify and drafter projections; `fuse_projections.py` says what was timed), and gated
         SiLU MLPs compute SiLU(gate) * up inside their down projection's kernel for calls of up to N rows
-        (`gated_mlp.py`; not timed yet)."""
+        (`gated_mlp.py`; not timed yet). gated_mlp=False keeps the MLPs' own forward under skinny_rows, so the two
+        parts can be timed apart."""
         if not any(rope_table is v for v in (True, False)) and rope_table != "auto":
             raise ValueError(f"rope_table={rope_table!r}: 'auto', True or False.")
         if not isinstance(dynamic_prefill, bool):
@@ -336,7 +338,9 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
         self.target = target  # eval mode while decoding only (`_decoding`)
         self.drafter = drafter
         # skinny_rows: the gated MLPs' down projections read SiLU(gate) * up in their GEMM (`gated_mlp.py`)
-        self.gated_mlps = GatedMLPs([target, drafter], self.skinny_rows) if self.skinny_rows else None
+        if not isinstance(gated_mlp, bool):
+            raise ValueError(f"gated_mlp={gated_mlp!r}: True or False (it applies with skinny_rows only).")
+        self.gated_mlps = GatedMLPs([target, drafter], self.skinny_rows) if self.skinny_rows and gated_mlp else None
         check_attention(target)  # flash / flex targets cannot take the rounds' 4D mask: refused now, by name
         if drafter is not None:
             drafter.bind_target(target)
