@@ -16,6 +16,8 @@ inside one dot product.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # Triton (None where it is not installed) and where a Triton kernel can run: the attention kernel's own rules
@@ -59,11 +61,32 @@ if triton is not None:
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+def fit_block_k(block_m: int, block_k: int, stages: int, itemsize: int, gated: bool, smem: int | None) -> int:
+    """`block_k`, halved (down to 32) until the pipelined input tiles fit in `smem` bytes of shared memory (None: no
+    limit, e.g. Triton's interpreter), leaving 32 KiB for the rest. Why: Triton keeps `stages` copies of each
+    `[block_m, block_k]` input tile (x, and up for `silu_mul_mm`) in shared memory; `settings` was timed in bf16 at
+    up to 32 rows, and on an H100 fp32 SiLU * up at 32 rows with block_k 512 asked for 393216 bytes of its 232448
+    (`h100-2026-12-06d`), so wider rows and fp32 (the exactness check) take a shorter K step."""
+    tiles = 2 if gated else 1
+    while smem is not None and block_k > 32 and stages * block_m * block_k * tiles * itemsize > smem - 32768:
+        block_k //= 2
+    return block_k
+
+
+@functools.lru_cache(maxsize=None)
+def _smem(device) -> int | None:
+    """Shared memory a program may use on `device` (CUDA; 48 KiB where the property is missing), None elsewhere."""
+    if device.type != "cuda":
+        return None
+    return int(getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 49152))
+
+
 def _launch(x, w, block_n, block_k, num_warps, num_stages, u=None):
     m, k = x.shape
     n = w.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))
+    block_k = fit_block_k(block_m, block_k, num_stages, x.element_size(), u is not None, _smem(x.device))
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     gated = u is not None
     u = x if u is None else u
@@ -127,4 +150,4 @@ MAX_COLS = 1024
 MAX_ROWS = 64
 
 
-__all__ = ["MAX_COLS", "MAX_ROWS", "available", "settings", "silu_mul_mm", "skinny_mm"]
+__all__ = ["MAX_COLS", "MAX_ROWS", "available", "fit_block_k", "settings", "silu_mul_mm", "skinny_mm"]
