@@ -61,14 +61,15 @@ if triton is not None:
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def fit_block_k(block_m: int, block_k: int, stages: int, itemsize: int, gated: bool, smem: int | None) -> int:
-    """`block_k`, halved (down to 32) until the pipelined input tiles fit in `smem` bytes of shared memory (None: no
-    limit, e.g. Triton's interpreter), leaving 32 KiB for the rest. Why: Triton keeps `stages` copies of each
-    `[block_m, block_k]` input tile (x, and up for `silu_mul_mm`) in shared memory; `settings` was timed in bf16 at
-    up to 32 rows, and on an H100 fp32 SiLU * up at 32 rows with block_k 512 asked for 393216 bytes of its 232448
-    (`h100-2026-12-06d`), so wider rows and fp32 (the exactness check) take a shorter K step."""
+def fit_block_k(block_m: int, block_n: int, block_k: int, stages: int, itemsize: int, gated: bool,
+                smem: int | None) -> int:
+    """`block_k`, halved (down to 32) until `stages` copies of the input tiles (x, up for `silu_mul_mm`, and w's
+    `[block_k, block_n]`) fit in `smem` bytes of shared memory (None: no limit, e.g. Triton's interpreter). Why:
+    `settings` was timed in bf16 at up to 32 rows; on an H100 (232448 bytes) bf16 at 64 rows asked for exactly this
+    estimate, 245760 bytes, and fp32 SiLU * up at 32 rows for 393216, both with block_k 512 (`h100-2026-12-06d`).
+    Some shapes that passed there need less than the estimate; the cost of a shorter K step there is untimed."""
     tiles = 2 if gated else 1
-    while smem is not None and block_k > 32 and stages * block_m * block_k * tiles * itemsize > smem - 32768:
+    while smem is not None and block_k > 32 and stages * (block_m * tiles + block_n) * block_k * itemsize > smem:
         block_k //= 2
     return block_k
 
@@ -86,7 +87,7 @@ def _launch(x, w, block_n, block_k, num_warps, num_stages, u=None):
     n = w.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))
-    block_k = fit_block_k(block_m, block_k, num_stages, x.element_size(), u is not None, _smem(x.device))
+    block_k = fit_block_k(block_m, block_n, block_k, num_stages, x.element_size(), u is not None, _smem(x.device))
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     gated = u is not None
     u = x if u is None else u
