@@ -120,8 +120,8 @@ def test_engines_with_the_round_kernels_equal_plain_greedy():
     """Tree rounds (a dynamic tree with lookup, a Carryover drafter) with the drafter's top-R on `vocab_topk` give
     plain greedy decoding's tokens and, in float32 (no ties), the torch engine's rounds; a compiled engine with frozen
     weights hands its tree rounds' GEMMs of 2-64 rows to `skinny_mm` and its gated MLPs' down projections to
-    `silu_mul_mm` (`skinny_rows`) and still decodes those tokens, again on a second call without recompiling.
-    Options that cannot work are refused by name."""
+    `silu_mul_mm` (`skinny_rows`, `gated_mlp=True`) and still decodes those tokens, again on a second call without
+    recompiling; without `gated_mlp` the MLPs keep their forward. Options that cannot work are refused by name."""
     out = _run("""
         from conftest import build_drafter, build_target
         from test_engine import _greedy_refs, _prompts
@@ -143,7 +143,7 @@ def test_engines_with_the_round_kernels_equal_plain_greedy():
         res["draft_topk"] = [tri.draft_topk, auto.draft_topk]
         target64, drafter64 = target.double(), drafter.double()
         refs64 = _greedy_refs(target64, prompts, 12)
-        comp = SpeculativeEngine(target64, drafter64, max_len=96, compile=True, skinny_rows=64,
+        comp = SpeculativeEngine(target64, drafter64, max_len=96, compile=True, skinny_rows=64, gated_mlp=True,
                                  compile_options={"freezing": True, "fx_graph_cache": False})
         from torch._inductor.utils import run_and_get_code
 
@@ -156,7 +156,7 @@ def test_engines_with_the_round_kernels_equal_plain_greedy():
         frames = dict(torch._dynamo.utils.counters["frames"])
         res["again"] = comp.generate(prompts, max_new_tokens=12, tree=WIDE, tree_nodes=5) == refs64
         res["recompiled"] = dict(torch._dynamo.utils.counters["frames"]) != frames
-        plain_mlps = SpeculativeEngine(target64, drafter64, max_len=96, compile=True, skinny_rows=64, gated_mlp=False,
+        plain_mlps = SpeculativeEngine(target64, drafter64, max_len=96, compile=True, skinny_rows=64,
                                        compile_options={"freezing": True})
         res["gated_off"] = plain_mlps.gated_mlps is None and plain_mlps.skinny_rows == 64
         errors = []
@@ -177,4 +177,4 @@ def test_engines_with_the_round_kernels_equal_plain_greedy():
     errors = out["errors"]
     assert "draft_topk='fast'" in errors[0] and "skinny_rows=8" in errors[1] and "freezing" in errors[1], out
     assert "skinny_rows=-1: a number of rows" in errors[2], out
-    assert out["gated_off"] and "gated_mlp='no'" in errors[3], out  # gated_mlp=False: the kernel GEMMs only
+    assert out["gated_off"] and "gated_mlp='no'" in errors[3], out  # the default: the kernel GEMMs only

@@ -505,6 +505,7 @@ def test_gpu_engine_check_tiny_cpu(tmp_path, monkeypatch, capsys):
     assert row["compile_exact"] and row["compile_sampled_same_tokens"], row
     assert row["compile_sampled_mode"] == "eager (no CUDA) +compile"
     assert row["compile_gemv_rows"] == 0  # gemv_rows="auto" on a CPU target (and without frozen weights): off
+    assert "compile_frozen_pass" not in row  # no frozen weights here: the pass is not installed, nothing to record
     # --compile_only: the compiled engine against the eager one alone (here with continuous batching), each stage
     # written and announced as it finishes; refused without --compile
     cmd_o = cmd_c[:-2] + ["--compile_only", "--continuous", "--prefill_ahead", "2", "--out", str(out)]

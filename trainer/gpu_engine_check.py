@@ -331,6 +331,9 @@ def main():
                                             f"{tag}one_row_kernel_steps": kernel_steps})
                             if engine.compile:  # what gemv_rows="auto" (the default) chose for this engine
                                 row[f"{tag}gemv_rows"] = engine.gemv_rows
+                                if engine.fused_projections is not None:  # what the frozen pass rewrote, e.g.
+                                    # skinny_gemms (skinny_rows): proof that the checked rounds ran the kernel
+                                    row[f"{tag}frozen_pass"] = engine.fused_projections.record()
                             if engine._prefills and engine.compile:  # compiled row prefill: one dynamic-width
                                 # compile, or per width after a failed one (`refill.py`)
                                 row[f"{tag}dynamic_prefill"] = all(pf.dynamic_width

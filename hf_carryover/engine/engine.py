@@ -105,7 +105,7 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
                  drafter_attention: str = "auto",
                  rope_table: bool | str = "auto", dynamic_prefill: bool = True, prefill_ahead: bool | int = True,
                  gemv_rows: int | str = "auto", gemv_fusion: bool | str = False, skinny_rows: int = 0,
-                 gated_mlp: bool = True):
+                 gated_mlp: bool = False):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -209,7 +209,7 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
         interpreter; ranks up to 64); "auto" (the default): that on CUDA where Triton is installed; "torch": torch.
         Either choice gives the same nodes and tokens but for ties. On an H100 (the reference target's shapes, tree 31
         + lookup, `h100-2026-12-06c`) a captured round took 1.431 ms with neither, 1.336 with draft_topk="triton" and
-        skinny_rows=64, 1.323 with tree_topk="ranked" as well.
+        skinny_rows=64, 1.323 with tree_topk="ranked" as well (skinny_rows' share: none on the real target, below).
 
         rope_table="auto" (the default): the target's and the drafter's RoPE cos/sin are read by position from tables
         of their rotary modules' own values (`rope_table.py`), so a compiled round's layers load them instead of each
@@ -266,10 +266,12 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
 
         skinny_rows=N (with compile and freezing; default 0, off): frozen-weight GEMMs of more than gemv_rows and at
         most N rows (up to 64) and at most 1024 output columns run on `skinny_gemm.py`'s Triton kernel instead of
-        cuBLAS (a tree round's verify and drafter projections; `fuse_projections.py` says what was timed), and gated
-        SiLU MLPs compute SiLU(gate) * up inside their down projection's kernel for calls of up to N rows
-        (`gated_mlp.py`; not timed yet). gated_mlp=False keeps the MLPs' own forward under skinny_rows, so the two
-        parts can be timed apart."""
+        cuBLAS (a tree round's verify and drafter projections; `fuse_projections.py` says what was timed). It is
+        fp32-exact on the GPU, but on the real target it saved nothing: a tree 31 + lookup round took 1.410 against
+        1.418 ms on 80 HumanEval prompts and 1.363 against 1.360 on 80 MT-Bench ones (an H100, one machine start,
+        `h100-2026-12-06d`), so it stays off. gated_mlp=True (with skinny_rows) also has gated SiLU MLPs compute
+        SiLU(gate) * up inside their down projection's kernel (`gated_mlp.py`): that made the round 41 % dearer
+        (2.004 ms), as every program of 16 columns recomputes the whole product; off, kept for study."""
         if not any(rope_table is v for v in (True, False)) and rope_table != "auto":
             raise ValueError(f"rope_table={rope_table!r}: 'auto', True or False.")
         if not isinstance(dynamic_prefill, bool):
@@ -337,7 +339,7 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
         self.timing = {"draft": 0.0, "verify": 0.0, "other": 0.0, "rounds": 0}
         self.target = target  # eval mode while decoding only (`_decoding`)
         self.drafter = drafter
-        # skinny_rows: the gated MLPs' down projections read SiLU(gate) * up in their GEMM (`gated_mlp.py`)
+        # skinny_rows with gated_mlp: the MLPs' down projections read SiLU(gate) * up in their GEMM (`gated_mlp.py`)
         if not isinstance(gated_mlp, bool):
             raise ValueError(f"gated_mlp={gated_mlp!r}: True or False (it applies with skinny_rows only).")
         self.gated_mlps = GatedMLPs([target, drafter], self.skinny_rows) if self.skinny_rows and gated_mlp else None
@@ -376,7 +378,7 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
         """The target's attention as this engine's rounds run it (`attention.engine_attention`): SDPA with grouped
         heads, or the Triton kernel with this engine's settings (attention="triton"); the drafter's on the kernel
         too where `drafter_attention` says so (`attention.use_drafter_kernel`); RoPE from a table with `rope_table`;
-        gated MLPs through `skinny_gemm.silu_mul_mm` with `skinny_rows` (`gated_mlp.py`)."""
+        gated MLPs through `skinny_gemm.silu_mul_mm` with `skinny_rows` and `gated_mlp` (`gated_mlp.py`)."""
         target = (engine_attention(self.target, TRITON_ATTENTION, self.attention_settings)
                   if self.attention == "triton" else engine_attention(self.target))
         with target, use_drafter_kernel(self.drafter, self._drafter_kernel), use_rope_tables(self._ropes), \

@@ -39,7 +39,8 @@ Timed on an H100 with the option (`examples/results/h100-2026-12-06b`): a plain 
 `skinny_rows=N` (off at 0) hands every constant-weight `mm` of more than `gemv_rows` and at most N rows and at most
 `skinny_gemm.MAX_COLS` output columns to `skinny_gemm.skinny_mm`, a Triton GEMM that gives each program 16 columns
 for all rows (a tree round's 32 verified rows, the drafter's 16). Why: cuBLAS took 3.0-4.9 us for such GEMMs on an
-H100, the kernel 2.7-4.4 (`examples/gemm_bench.py`, `h100-2026-12-06c`), a fixed cost paid 90+ times a round.
+H100, the kernel 2.7-4.4 (`examples/gemm_bench.py`, `h100-2026-12-06c`), a fixed cost paid 90+ times a round. On the
+real target's tree rounds that saving did not show (1.410 against 1.418 ms, `h100-2026-12-06d`): off by default.
 
 The pass also writes RoPE's `rotate_half` concatenations as indexing (`rotate_half.py`), in every frozen graph.
 """
