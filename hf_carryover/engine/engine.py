@@ -271,7 +271,7 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
         1.418 ms on 80 HumanEval prompts and 1.363 against 1.360 on 80 MT-Bench ones (an H100, one machine start,
         `h100-2026-12-06d`), so it stays off. gated_mlp=True (with skinny_rows) also has gated SiLU MLPs compute
         SiLU(gate) * up inside their down projection's kernel (`gated_mlp.py`): that made the round 41 % dearer
-        (2.004 ms; the kernel 22 against 9.8 us, `gated_mlp.py` says what was ruled out); off, kept for study."""
+        (2.004 ms; the kernel 22 against 9.8 us, `gated_mlp.py`); off, kept for study."""
         if not any(rope_table is v for v in (True, False)) and rope_table != "auto":
             raise ValueError(f"rope_table={rope_table!r}: 'auto', True or False.")
         if not isinstance(dynamic_prefill, bool):

@@ -15,10 +15,9 @@ prefill), or whose row count is not a plain int (a prefill compiled with a dynam
 
 Timed on an H100 (`h100-2026-12-06d`) it lost: the kernel took 22-25 us where eager SiLU and product kernels and
 cuBLAS took 9.8 together (`examples/gemm_bench.py --shapes down down_gated`), and a tree 31 + lookup round of the real
-target took 2.004 against 1.418 ms. Not for want of programs' sharing: fewer, wider programs (32 columns: 21.7 us;
-64 and 128 slower) recompute SiLU(gate) * up less often and did not help, so the cost sits in the gated K step
-itself (the product made in registers before the dot; not profiled inside the kernel). It stays as an option for
-study.
+target took 2.004 against 1.418 ms. Fewer, wider programs, which recompute SiLU(gate) * up less often, did not
+help (32 columns a program: 21.7 us; 64 and 128: 58-87 us), so that alone does not fix it; where the time goes inside
+the kernel was not profiled. It stays as an option for study.
 """
 
 from __future__ import annotations
