@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # (name, N, K) of the reference target's projections (SmolLM2-135M: hidden 576, 9 + 2 * 3 heads of 64, MLP 1536)
 # and the drafter's input projection (5 tapped layers of 576)
-# "down_gated": the down projection with its input SiLU(gate) * up, made by a pointwise kernel before cuBLAS against
-# made in the kernel's loads (`silu_mul_mm`, the gated MLPs of `skinny_rows`), gate and up the halves of one tensor
+# "down_gated": the down projection of SiLU(gate) * up, that input made by eager SiLU and product kernels before
+# cuBLAS, against made in the kernel's loads (`silu_mul_mm`, `gated_mlp=True`); gate and up the halves of one tensor
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("fc", 576, 2880),
           ("down_gated", 576, 1536)]
 
@@ -93,7 +93,7 @@ def main():
                 gu = torch.randn(m, 2 * k, device=dev, dtype=dt)
                 gate, up = gu[:, :k], gu[:, k:]  # [m, k] each, strided: a merged gate/up GEMM's output
 
-                def lhs():  # what cuBLAS multiplies: the pointwise kernel's output
+                def lhs():  # what cuBLAS multiplies: the pointwise kernels' output
                     return torch.nn.functional.silu(gate) * up
 
                 def kernel(w, *cfg):

@@ -160,7 +160,8 @@ def test_engines_with_the_round_kernels_equal_plain_greedy():
                                        compile_options={"freezing": True})
         res["gated_off"] = plain_mlps.gated_mlps is None and plain_mlps.skinny_rows == 64
         errors = []
-        for bad in (dict(draft_topk="fast"), dict(skinny_rows=8), dict(skinny_rows=-1), dict(gated_mlp="no")):
+        for bad in (dict(draft_topk="fast"), dict(skinny_rows=8), dict(skinny_rows=-1), dict(gated_mlp="no"),
+                    dict(gated_mlp=True)):
             try:
                 SpeculativeEngine(target, drafter, max_len=96, **bad)
             except ValueError as e:
@@ -178,3 +179,4 @@ def test_engines_with_the_round_kernels_equal_plain_greedy():
     assert "draft_topk='fast'" in errors[0] and "skinny_rows=8" in errors[1] and "freezing" in errors[1], out
     assert "skinny_rows=-1: a number of rows" in errors[2], out
     assert out["gated_off"] and "gated_mlp='no'" in errors[3], out  # the default: the kernel GEMMs only
+    assert "gated_mlp=True" in errors[4] and "needs skinny_rows > 0 (here 0)" in errors[4], out

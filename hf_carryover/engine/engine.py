@@ -340,8 +340,9 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
         self.target = target  # eval mode while decoding only (`_decoding`)
         self.drafter = drafter
         # skinny_rows with gated_mlp: the MLPs' down projections read SiLU(gate) * up in their GEMM (`gated_mlp.py`)
-        if not isinstance(gated_mlp, bool):
-            raise ValueError(f"gated_mlp={gated_mlp!r}: True or False (it applies with skinny_rows only).")
+        if not isinstance(gated_mlp, bool) or (gated_mlp and not self.skinny_rows):
+            raise ValueError(f"gated_mlp={gated_mlp!r}: True or False; True runs the MLPs' down projections on "
+                             f"skinny_rows' kernel, so it needs skinny_rows > 0 (here {self.skinny_rows}).")
         self.gated_mlps = GatedMLPs([target, drafter], self.skinny_rows) if self.skinny_rows and gated_mlp else None
         check_attention(target)  # flash / flex targets cannot take the rounds' 4D mask: refused now, by name
         if drafter is not None:
