@@ -315,12 +315,10 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
     res["rope_tabled"] = list(engine.rope_tabled)  # the models whose RoPE the row read from tables
     if engine.rope_untabled:  # those "auto" left to compute it, and why
         res["rope_untabled"] = dict(engine.rope_untabled)
-    if engine.fused_projections is not None:  # what the frozen-weight pass did in this row's engine so far
-        res.update(engine.fused_projections.record())  # (fuse_projections.py; until 12-02f fused_gemms summed all
-        # engines of the call, until 2026-12-05 it read 0 where every graph came from inductor's caches)
-    if engine.gated_mlps is not None:  # skinny_rows: the gated MLPs read SiLU(gate) * up in their down projection
-        res["gated_mlps"] = len(engine.gated_mlps.modules)
-    res["draft_topk"] = engine.draft_topk  # the drafter's top-R in tree rounds: "triton" (vocab_topk.py) or "torch"
+    # what the frozen-weight pass did in this row's engine so far, the gated MLPs and the top-R path (until 12-02f
+    # fused_gemms summed all engines of the call, until 2026-12-05 it read 0 where every graph came from inductor's
+    # caches)
+    res.update(engine.kernel_record())
     if engine.profile and engine.timing["rounds"]:
         n = engine.timing["rounds"]
         res["per_round_s"] = {p: engine.timing[p] / n for p in ("draft", "verify", "other")}

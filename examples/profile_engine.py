@@ -143,11 +143,7 @@ def profile_mode(args, target, drafter, prompts, eos, name, save, tree=None, loo
     eng.generate(batches[0], **kw)  # compile + capture
     torch.cuda.synchronize()
     res = {"mode": name, "batch": b, "compile_and_capture_s": time.perf_counter() - t0}
-    if eng.fused_projections is not None:  # what the engine's pass did in this mode's compiled graphs
-        res.update(eng.fused_projections.record())
-    if eng.gated_mlps is not None:  # skinny_rows: the gated MLPs' SiLU(gate) * up inside their down projection
-        res["gated_mlps"] = len(eng.gated_mlps.modules)
-    res["draft_topk"] = eng.draft_topk
+    res.update(eng.kernel_record())  # what the engine's pass did in this mode's compiled graphs, and the round kernels
     for batch in batches[1:]:  # the other prompts' width buckets (a captured row prefill each) outside the timing
         eng.generate(batch, **kw)
     wall, acc, tokens, batch_rounds = 0.0, [], 0, 0

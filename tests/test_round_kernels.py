@@ -152,6 +152,7 @@ def test_engines_with_the_round_kernels_equal_plain_greedy():
         res["gated_calls"] = sum(c.count("silu_mul_mm") for c in codes)  # in the compiled rounds' code
         res["skinny_record"] = comp.fused_projections.record()
         res["gated_mlps"] = len(comp.gated_mlps.modules)  # the target's 2 layers and the drafter's
+        res["kernel_record"] = comp.kernel_record()  # what benchmark and profile rows record of the engine
         res["restored"] = all("forward" not in m.__dict__ for m in comp.gated_mlps.modules)
         frames = dict(torch._dynamo.utils.counters["frames"])
         res["again"] = comp.generate(prompts, max_new_tokens=12, tree=WIDE, tree_nodes=5) == refs64
@@ -174,6 +175,7 @@ def test_engines_with_the_round_kernels_equal_plain_greedy():
     assert out["skinny"] and out["skinny_record"]["skinny_gemms"] > 0, out
     # the gated MLPs: swapped while decoding, their class forward back after, no recompile on the next call
     assert out["gated_mlps"] >= 3 and out["gated_calls"] > 0, out
+    assert out["kernel_record"] == {**out["skinny_record"], "gated_mlps": out["gated_mlps"], "draft_topk": "torch"}, out
     assert out["restored"] and out["again"] and not out["recompiled"], out
     errors = out["errors"]
     assert "draft_topk='fast'" in errors[0] and "skinny_rows=8" in errors[1] and "freezing" in errors[1], out

@@ -374,6 +374,14 @@ class SpeculativeEngine(CapturedRounds, LinearRounds, TreeRounds):
         # the row prefill (eager off CUDA) / the batched one (tests compare the two)
         self.row_prefill: bool | None = None
 
+    def kernel_record(self) -> dict:
+        """What a benchmark or profile row records of this engine's round kernels: the frozen pass's counts
+        (`fuse_projections.py`), the gated MLPs swapped (`gated_mlp`) and the drafter's top-R path (`draft_topk`)."""
+        res = self.fused_projections.record() if self.fused_projections is not None else {}
+        if self.gated_mlps is not None:
+            res["gated_mlps"] = len(self.gated_mlps.modules)
+        return {**res, "draft_topk": self.draft_topk}
+
     @contextlib.contextmanager
     def attention_context(self):
         """The target's attention as this engine's rounds run it (`attention.engine_attention`): SDPA with grouped

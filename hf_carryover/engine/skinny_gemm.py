@@ -88,9 +88,9 @@ def _launch(x, w, block_n, block_k, num_warps, num_stages, u=None):
     n = w.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m = max(16, triton.next_power_of_2(m))
-    block_k = fit_block_k(block_m, block_n, block_k, num_stages, x.element_size(), u is not None, _smem(x.device))
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     gated = u is not None
+    block_k = fit_block_k(block_m, block_n, block_k, num_stages, x.element_size(), gated, _smem(x.device))
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     u = x if u is None else u
     _skinny_kernel[grid](x, u, w, y, m, n, k, x.stride(0), x.stride(1), u.stride(0), u.stride(1), w.stride(0),
                          w.stride(1), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,

@@ -14,7 +14,7 @@ from .sampling import inverse_cdf
 from .state import DecodeState
 from .tree import (TreeSpec, accept_tree, lookup_chain_lp, lookup_ranks, node_ranks, node_tokens, select_tree,
                    static_tree, tree_mask, unique_children)
-from .vocab_topk import draft_topk
+from .vocab_topk import MAX_RANK, draft_topk
 
 
 class TreeRounds:
@@ -44,7 +44,7 @@ class TreeRounds:
         what is left), in one draw per verified row."""
         k, steps, b = st.k, self._steps, st.b
         on = self.drafter.config.carryover
-        kernel = self.draft_topk == "triton" and tree.max_rank <= 64  # (`vocab_topk.py`: it reads bf16 logits as is)
+        kernel = self.draft_topk == "triton" and tree.max_rank <= MAX_RANK  # (`vocab_topk.py`: it reads bf16 logits as is)
         logits_d = self._draft_logits(st.dcache, st.anchor, st.anchor_pos, st.carry if on else None, st.carry_pos,
                                       st.carry_valid if on else st.carry_valid[:, :0], cast=not kernel)
         lp, top = draft_topk(logits_d[:, : tree.max_depth], tree.max_rank, kernel)  # [b, D, R] each, lp float32

@@ -28,6 +28,7 @@ import torch
 from .triton_attention import available, tl, triton  # (available: re-exported)
 
 CHUNK = 1024  # tokens a first-stage program ranks (a power of two; 48 chunks for the reference vocabulary)
+MAX_RANK = 64  # the most ranks the engine asks of the kernels (R maxima taken one after another per program)
 
 
 if triton is not None:
@@ -115,4 +116,4 @@ def draft_topk(logits: torch.Tensor, r: int, kernel: bool) -> tuple[torch.Tensor
     return logits.float().log_softmax(-1).topk(r, -1)
 
 
-__all__ = ["CHUNK", "available", "draft_topk", "vocab_topk"]
+__all__ = ["CHUNK", "MAX_RANK", "available", "draft_topk", "vocab_topk"]
