@@ -34,6 +34,8 @@ def _run(body: str) -> dict:
 
 def test_kernel_equals_sdpa_on_every_mask_the_engine_makes():
     out = _run("""
+        import itertools
+
         import torch.nn.functional as F
         from hf_carryover.engine import triton_attention
         from hf_carryover.engine.triton_attention import check_inputs, masked_gqa_attention, split_plan
@@ -42,7 +44,7 @@ def test_kernel_equals_sdpa_on_every_mask_the_engine_makes():
         errs = {}
 
         def case(name, b, heads, kvh, q, keys, mask, dtype=torch.float32, modes=("scan", "skip"), blocks=(16, 64),
-                 splits=(0,), block_ms=(0,)):
+                 splits=(0,), block_ms=(0,), ends=(None,)):
             Q = torch.randn(b, heads, q, 64, generator=g).to(dtype)
             K = torch.randn(b, kvh, keys, 64, generator=g).to(dtype)
             V = torch.randn(b, kvh, keys, 64, generator=g).to(dtype)
@@ -51,14 +53,17 @@ def test_kernel_equals_sdpa_on_every_mask_the_engine_makes():
             ref = F.scaled_dot_product_attention(Q.double(), K.double(), V.double(), attn_mask=full,
                                                  enable_gqa=True).transpose(1, 2)  # [b, q, heads, d]
             ref = torch.nan_to_num(ref, nan=0.0)  # rows that see nothing: SDPA's NaN, the kernel's zeros
-            for mode in modes:
-                for bn in blocks:
-                    for sp in splits:  # split_n 0: one program per row block; else parts walked side by side
-                        for bm in block_ms:  # rows a program (0: all of a K/V head's, at most 64)
-                            o = masked_gqa_attention(Q, K, V, mask, 64 ** -0.5, mode, bn, 4, sp, block_m=bm)
-                            assert o.shape == (b, q, heads, 64) and o.dtype == dtype
-                            errs[f"{name}/{mode}{bn}" + (f"s{sp}" if sp else "") + (f"m{bm}" if bm else "")] = (
-                                (o.double() - ref).abs().max().item())
+            # key_end: each batch row's last seen key + 1 (exact), past the cache (loose: clamped by the kernel) or
+            # 64 keys short (the kernel walks whole key blocks up to the end, so a block of seen keys is dropped and
+            # the result must differ: it takes the caller's word)
+            seen = full[:, 0].any(1)  # [b, keys]
+            last = torch.where(seen, torch.arange(keys), -1).amax(1) + 1  # [b]
+            given = {None: None, "exact": last, "loose": last + keys, "short": last - 64}
+            for mode, bn, sp, bm, e in itertools.product(modes, blocks, splits, block_ms, ends):
+                o = masked_gqa_attention(Q, K, V, mask, 64 ** -0.5, mode, bn, 4, sp, block_m=bm, key_end=given[e])
+                assert o.shape == (b, q, heads, 64) and o.dtype == dtype
+                errs[f"{name}/{mode}{bn}" + (f"s{sp}" if sp else "") + (f"m{bm}" if bm else "")
+                     + (f"/{e}" if e else "")] = (o.double() - ref).abs().max().item()
 
         keys = torch.arange(200)
         # a linear round: query rows at positions 50.. / 120.. see keys at positions <= their own (200 keys: not a
@@ -77,6 +82,11 @@ def test_kernel_equals_sdpa_on_every_mask_the_engine_makes():
         cols = anc.gather(2, rel.clamp(0, 46)[:, None, :].expand(-1, 47, -1))
         case("tree", 2, 9, 3, 47, 200, ((rel < 0)[:, None, :] | (inside[:, None, :] & cols))[:, None],
              modes=("scan", "dense"), splits=(0, 32), block_ms=(0, 16))
+        # each batch row's end of the keys in use given (`key_end`) instead of scanned: exact, loose and 64 keys short
+        case("causal_end", 2, 9, 3, 5, 200, keys[None, None, None, :] <= pos[:, None, :, None], modes=("scan", "dense"),
+             blocks=(64,), splits=(0, 32), ends=("exact", "loose", "short"))
+        case("tree_end", 2, 9, 3, 47, 200, ((rel < 0)[:, None, :] | (inside[:, None, :] & cols))[:, None],
+             modes=("dense",), blocks=(16,), splits=(32,), block_ms=(16,), ends=("exact", "short"))
         # one mask for the whole batch (stride 0), one head per K/V head, and a row that sees no key at all
         m = keys[None, None, None, :] < torch.tensor([0, 3, 64, 65])[None, None, :, None]
         case("broadcast_empty_row", 3, 4, 4, 4, 200, m, splits=(0, 32))
@@ -99,9 +109,12 @@ def test_kernel_equals_sdpa_on_every_mask_the_engine_makes():
         print(json.dumps({"errs": errs, "refused": refused, "counters": counters, "plans": plans}))
     """)
     errs = out["errs"]
-    assert len(errs) == 38
+    assert len(errs) == 52
     for name, err in errs.items():
-        assert err < (2e-3 if name.startswith("fp16") else 2e-6), (name, err)
+        if name.endswith("/short"):  # seen keys dropped: the kernel read the given end, not the mask's
+            assert err > 1e-2, (name, err)
+        else:
+            assert err < (2e-3 if name.startswith("fp16") else 2e-6), (name, err)
     assert errs["broadcast_empty_row/scan16"] < 2e-6  # the empty row's zeros are part of this comparison
     refused = out["refused"]
     assert "boolean mask" in refused[0] and "head_dim=8" in refused[1]

@@ -13,13 +13,14 @@ kernel. This script times the alternatives the engine could take, each compiled 
   * `flex`: `flex_attention` with `enable_gqa=True` and a mask_mod that reads the same boolean mask, one BlockMask
     over the whole cache made once (what a capture-safe flex attention function would do);
   * `window<W>`: `hf` over the first W keys only (what per-length graphs would read);
-  * `triton_<mode><BLOCK_N>[w<warps>][s<SPLIT_N>][m<BLOCK_M>][p<STAGES>]`, e.g. `triton_scan64`, `triton_skip128w8`,
+  * `triton_<mode><BLOCK_N>[w<warps>][s<SPLIT_N>][m<BLOCK_M>][p<STAGES>][e]`, e.g. `triton_scan64`, `triton_skip128w8`,
     `triton_dense128s256m16`:
     the engine's Triton kernel (`hf_carryover/engine/triton_attention.py`, `SpeculativeEngine(attention="triton")`),
     which reads only the keys some query row sees; `s<SPLIT_N>`: the keys in use cut into parts of SPLIT_N walked
     at the same time (no `s`: one program walks them all, as before 2026-12-03c); `dense`: the scan's end, then every
     key block up to it without the per-block branch on the mask (K/V loads issued with the mask's); `m<BLOCK_M>`:
-    (query row, head) pairs a program (default: all of a K/V head's, 16 to 64); `p<STAGES>`: Triton's num_stages.
+    (query row, head) pairs a program (default: all of a K/V head's, 16 to 64); `p<STAGES>`: Triton's num_stages;
+    `e`: each batch row's end of the keys in use handed to the kernel (`key_end`) instead of found by its scan.
 
 Each row records microseconds per layer and the largest difference from a float64 reference.
 
@@ -72,11 +73,14 @@ def layer_fn(variant, heads, kv_heads, mask, keys):
 
         from hf_carryover.engine.triton_attention import masked_gqa_attention
 
-        mode, block_n, warps, split, block_m, stages = re.fullmatch(
-            r"triton_(scan|skip|dense)(\d+)(?:w(\d+))?(?:s(\d+))?(?:m(\d+))?(?:p(\d+))?", variant).groups()
+        mode, block_n, warps, split, block_m, stages, given = re.fullmatch(
+            r"triton_(scan|skip|dense)(\d+)(?:w(\d+))?(?:s(\d+))?(?:m(\d+))?(?:p(\d+))?(e)?", variant).groups()
+        # `e`: each batch row's end of the keys in use given (what the mask's last row sees), not scanned
+        end = mask[:, 0].any(1).int().cumsum(-1).argmax(-1).add(1).int() if given else None  # [batch]
         return lambda q, k, v: masked_gqa_attention(q, k, v, mask, q.shape[-1] ** -0.5, mode, int(block_n),
                                                     int(warps or 4), int(split or 0), block_m=int(block_m or 0),
-                                                    num_stages=int(stages or 0)).transpose(1, 2)  # [b, h, q, d]
+                                                    num_stages=int(stages or 0),
+                                                    key_end=end).transpose(1, 2)  # [b, h, q, d]
     if variant.startswith("window"):
         w = int(variant[len("window"):])
         m = mask[..., :w]

@@ -106,14 +106,16 @@ def _fold(q, k_base, v_base, m_row, cols, row_ok, n_keys, skn, svn, smn, d, scal
     return acc, l_i, m_i
 
 
-def _attention_kernel(Q, K, V, M, O, WS, CNT, BIAS, n_q, n_keys, scale_log2, bias_lo, bias_hi,
+def _attention_kernel(Q, K, V, M, O, WS, CNT, BIAS, END, n_q, n_keys, scale_log2, bias_lo, bias_hi,
                       sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, smb, smm, smn, sob, som, soh,
                       KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, KEY_BLOCKS: tl.constexpr, SCAN: tl.constexpr, PRECISION: tl.constexpr,
-                      SPLIT_N: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, DENSE: tl.constexpr):
+                      SPLIT_N: tl.constexpr, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, DENSE: tl.constexpr,
+                      HAS_END: tl.constexpr):
     """Grid (batch * KV_HEADS, cdiv(n_q * GROUPS, BLOCK_M), SPLITS). Row r of a program's block is query row
     r // GROUPS with query head kv_head * GROUPS + r % GROUPS; split s walks keys [s * SPLIT_N, (s+1) * SPLIT_N).
-    HAS_BIAS: keys bias_lo..bias_hi-1 get BIAS[head] (fp32, log2 units) added to their scores."""
+    HAS_BIAS: keys bias_lo..bias_hi-1 get BIAS[head] (fp32, log2 units) added to their scores. HAS_END: END[batch
+    row] bounds the keys any of its query rows sees (the caller's word), read instead of the scan."""
     b = tl.program_id(0) // KV_HEADS
     h = tl.program_id(0) % KV_HEADS
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] (query row, head of the group) pairs
@@ -123,7 +125,9 @@ def _attention_kernel(Q, K, V, M, O, WS, CNT, BIAS, n_q, n_keys, scale_log2, bia
     d = tl.arange(0, D)
     m_row = M + b * smb + qi * smm  # [BLOCK_M] mask row starts
     n_end = n_keys
-    if SCAN:
+    if HAS_END:  # one load instead of the scan's pass over the mask
+        n_end = tl.minimum(tl.load(END + b).to(tl.int32), n_keys)
+    elif SCAN:
         # one past the last key any row of this block sees (loads without branches, so they overlap)
         end = tl.zeros([BLOCK_M], tl.int32)
         for j in tl.static_range(KEY_BLOCKS):
@@ -251,7 +255,7 @@ def split_plan(n_keys: int, block_n: int, split_n: int) -> tuple[int, int]:
 
 
 def _launch(query, key, value, mask, scale, mode, block_n, num_warps, split_n=0, bias=None, bias_lo=0, bias_hi=0,
-            block_m=0, num_stages=0):
+            block_m=0, num_stages=0, key_end=None):
     b, heads, n_q, d = query.shape
     kv_heads, n_keys = key.shape[1], key.shape[2]
     groups = heads // kv_heads
@@ -274,7 +278,9 @@ def _launch(query, key, value, mask, scale, mode, block_n, num_warps, split_n=0,
     if has_bias:  # natural-log logits -> the kernel's log2 units, one fp32 value per query head
         bias = (bias.float() * math.log2(math.e)).contiguous()
     # unit strides of the head dim are assumed (what transformers' projections give); checked by the caller
-    _attention_kernel[grid](query, key, value, mask, out, ws, cnt, bias if has_bias else out, n_q, n_keys,
+    has_end = key_end is not None and mode != "skip"
+    _attention_kernel[grid](query, key, value, mask, out, ws, cnt, bias if has_bias else out,
+                            key_end if has_end else out, n_q, n_keys,
                             scale * math.log2(math.e), int(bias_lo), int(bias_hi),
                             query.stride(0), query.stride(1), query.stride(2),
                             key.stride(0), key.stride(1), key.stride(2),
@@ -283,7 +289,7 @@ def _launch(query, key, value, mask, scale, mode, block_n, num_warps, split_n=0,
                             KV_HEADS=kv_heads, GROUPS=groups, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
                             KEY_BLOCKS=triton.cdiv(n_keys, block_n), SCAN=mode in ("scan", "dense"),
                             PRECISION="ieee" if query.dtype == torch.float32 else "tf32", SPLIT_N=per,
-                            SPLITS=splits, HAS_BIAS=has_bias, DENSE=mode == "dense", **kw)
+                            SPLITS=splits, HAS_BIAS=has_bias, DENSE=mode == "dense", HAS_END=has_end, **kw)
     return out
 
 
@@ -291,20 +297,25 @@ def _launch(query, key, value, mask, scale, mode, block_n, num_warps, split_n=0,
 def masked_gqa_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
                          scale: float, mode: str = "scan", block_n: int = 128, num_warps: int = 4,
                          split_n: int = 0, bias: torch.Tensor | None = None, bias_lo: int = 0,
-                         bias_hi: int = 0, block_m: int = 0, num_stages: int = 0) -> torch.Tensor:
+                         bias_hi: int = 0, block_m: int = 0, num_stages: int = 0,
+                         key_end: torch.Tensor | None = None) -> torch.Tensor:
     """query `[b, heads, q, d]`, key/value `[b, kv_heads, L, d]`, boolean mask `[b or 1, 1, q, L]` ->
     `[b, q, heads, d]`. An opaque op to torch.compile (inductor calls it as it is) and capturable in CUDA graphs.
     split_n: keys per split (`split_plan`; 0: one program walks all the keys of its rows). bias `[heads]`: added to
     the logits (after scaling) of keys bias_lo..bias_hi-1, per query head (the drafter's carryover gate), as an
     additive mask would be. block_m: (query row, head) pairs a program (a power of two >= 16; 0: all of a K/V
-    head's pairs, 16 to 64); num_stages: Triton's software pipelining of the `dense` walk (0: Triton's default)."""
+    head's pairs, 16 to 64); num_stages: Triton's software pipelining of the `dense` walk (0: Triton's default).
+    key_end `[b]` (int): per batch row, one past the last key any of its query rows sees, or more (an upper bound,
+    the caller's promise and not checked: the kernel walks whole key blocks up to it, so a smaller value drops the
+    seen keys of the blocks past it); read instead of the `scan` and `dense` modes' pass over the mask (`skip`
+    ignores it)."""
     return _launch(query, key, value, mask, scale, mode, block_n, num_warps, split_n, bias, bias_lo, bias_hi,
-                   block_m, num_stages)
+                   block_m, num_stages, key_end)
 
 
 @masked_gqa_attention.register_fake
 def _(query, key, value, mask, scale, mode="scan", block_n=128, num_warps=4, split_n=0, bias=None, bias_lo=0,
-      bias_hi=0, block_m=0, num_stages=0):
+      bias_hi=0, block_m=0, num_stages=0, key_end=None):
     b, heads, n_q, d = query.shape
     return query.new_empty(b, n_q, heads, d)
 
