@@ -32,7 +32,7 @@ from evaluate_tau import environment  # noqa: E402
 from gpu_check import smollm2_shaped  # noqa: E402
 
 from hf_carryover.engine.attention import engine_attention  # noqa: E402
-from hf_carryover.engine.engine import _decoding  # noqa: E402
+from hf_carryover.engine.loop import _decoding  # noqa: E402
 from hf_carryover.modeling_drafter import Drafter  # noqa: E402
 
 

@@ -138,9 +138,10 @@ def test_engine_with_triton_attention_decodes_plain_greedy_text():
         from hf_carryover.engine import attention
         from hf_carryover.engine.engine import SpeculativeEngine
 
-        calls = []
+        calls, ends = [], []  # each kernel call's query shape; whether it was handed its keys' end (key_end)
         real = attention.masked_gqa_attention
-        attention.masked_gqa_attention = lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw)
+        attention.masked_gqa_attention = lambda *a, **kw: (calls.append(a[0].shape), ends.append(
+            kw.get("key_end") is not None)) and real(*a, **kw)
         res = {}
         for arch in ("qwen3", "llama"):
             target = build_target(arch, num_layers=2)
@@ -150,8 +151,10 @@ def test_engine_with_triton_attention_decodes_plain_greedy_text():
             calls.clear()
             lin = SpeculativeEngine(target, drafter, max_len=64, attention="triton", attention_block_n=16,
                                     attention_split_n=16, drafter_attention="sdpa")  # 4 parts of 16 keys
+            ends.clear()
             res[arch + "_linear"] = lin.generate(prompts, max_new_tokens=14) == refs
             res[arch + "_calls"] = len(calls)
+            res[arch + "_linear_ends"] = sum(ends)  # the default attention_key_end: every call (prefill, rounds)
             tree = SpeculativeEngine(target, drafter, max_len=128, attention="triton", attention_mode="skip",
                                      drafter_attention="sdpa")
             res[arch + "_tree"] = tree.generate(prompts, max_new_tokens=14, tree=WIDE, prompt_lookup_num_tokens=3,
@@ -162,6 +165,13 @@ def test_engine_with_triton_attention_decodes_plain_greedy_text():
                                       attention_split_n=32)
             res[arch + "_tree_dense"] = dense.generate(prompts, max_new_tokens=14, tree=WIDE,
                                                        prompt_lookup_num_tokens=3, tree_nodes=5) == refs
+            # the same without the keys' end: the kernel scans the mask for it (same tokens)
+            ends.clear()
+            scan = SpeculativeEngine(target, drafter, max_len=128, attention="triton", attention_block_n=16,
+                                     attention_split_n=32, drafter_attention="sdpa", attention_key_end=False)
+            res[arch + "_tree_scan"] = scan.generate(prompts, max_new_tokens=14, tree=WIDE,
+                                                     prompt_lookup_num_tokens=3, tree_nodes=5) == refs
+            res[arch + "_tree_scan_ends"] = sum(ends)
         # plain decoding steps are one query row: attention_min_rows=2 ("auto"'s) sends them to SDPA, the prefill
         # (several rows) still runs the kernel; min_rows=1 runs the steps on the kernel too
         target = build_target("qwen3", num_layers=2)
@@ -188,6 +198,8 @@ def test_engine_with_triton_attention_decodes_plain_greedy_text():
     """)
     assert out["qwen3_linear"] and out["qwen3_tree"] and out["qwen3_tree_dense"] and out["compiled_tree"], out
     assert out["qwen3_calls"] > 0  # the kernel ran (the prefill and every round, 2 layers each)
+    assert out["qwen3_linear_ends"] == out["qwen3_calls"] and out["qwen3_tree_scan"], out
+    assert out["qwen3_tree_scan_ends"] == 0 == out["llama_tree_scan_ends"] and out["llama_tree_scan"], out
     assert out["llama_linear"] and out["llama_tree"] and out["llama_tree_dense"] and out["llama_calls"] == 0, out
     assert out["sampled"], out
     assert out["ar_min_rows1"] and out["ar_min_rows2"], out

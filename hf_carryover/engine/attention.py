@@ -39,6 +39,9 @@ ATTENTION = "carryover_sdpa_gqa"
 TRITON_ATTENTION = "carryover_triton_gqa"
 # the Triton kernel's settings during a decoding call (`engine_attention`); torch.compile guards on them
 TRITON_SETTINGS = {"mode": "dense", "block_n": 128, "num_warps": 4, "split_n": 256, "block_m": 16, "min_rows": 1}
+# the keyword argument (through the target's forward, which hands its extra keywords to every attention call) that
+# carries each batch row's end of the keys in use to the kernel (`masked_gqa_attention(key_end=...)`)
+KEY_END = "carryover_key_end"
 # keyword arguments that change what attention computes; a call carrying any of them is left to transformers
 _NOT_HANDLED = ("softcap", "position_bias", "s_aux", "sinks")
 
@@ -60,7 +63,8 @@ def triton_gqa_attention(module, query, key, value, attention_mask, dropout=0.0,
                          **kwargs):
     """`gqa_sdpa_attention`'s contract through the Triton kernel (`TRITON_SETTINGS`); what the kernel does not take
     (no or non-boolean mask, dropout, `softcap`, odd head dims, ...) goes to `gqa_sdpa_attention`, and so do calls
-    with fewer query rows than `min_rows` (the engine's "auto" keeps one-row steps on SDPA, `SpeculativeEngine`)."""
+    with fewer query rows than `min_rows` (the engine's "auto" keeps one-row steps on SDPA, `SpeculativeEngine`).
+    A `KEY_END` keyword (`[b]`, the engine's `attention_key_end`) is the kernel's `key_end`; SDPA ignores it."""
     st = TRITON_SETTINGS
     if (query.shape[2] < st["min_rows"] or dropout or any(kwargs.get(k) is not None for k in _NOT_HANDLED)
             or check_inputs(query, key, value, attention_mask, st["mode"], st["block_n"]) is not None):
@@ -68,7 +72,8 @@ def triton_gqa_attention(module, query, key, value, attention_mask, dropout=0.0,
                                   is_causal=is_causal, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return masked_gqa_attention(query, key, value, attention_mask, scale, st["mode"], st["block_n"],
-                                st["num_warps"], st["split_n"], block_m=st.get("block_m", 0)), None
+                                st["num_warps"], st["split_n"], block_m=st.get("block_m", 0),
+                                key_end=kwargs.get(KEY_END)), None
 
 
 for _name, _fn in ((ATTENTION, gqa_sdpa_attention), (TRITON_ATTENTION, triton_gqa_attention)):
@@ -193,5 +198,5 @@ def engine_attention(target, name: str = ATTENTION, triton_settings: dict | None
         TRITON_SETTINGS.update(saved)
 
 
-__all__ = ["ATTENTION", "TRITON_ATTENTION", "TRITON_SETTINGS", "DrafterKernel", "check_attention", "drafter_kernel",
-           "engine_attention", "gqa_sdpa_attention", "triton_gqa_attention", "use_drafter_kernel"]
+__all__ = ["ATTENTION", "KEY_END", "TRITON_ATTENTION", "TRITON_SETTINGS", "DrafterKernel", "check_attention",
+           "drafter_kernel", "engine_attention", "gqa_sdpa_attention", "triton_gqa_attention", "use_drafter_kernel"]

@@ -111,7 +111,7 @@ class RowPrefill:
         self.cache.positions = pos
         out = eng.target(input_ids=tokens, position_ids=pos, attention_mask=self.cache.causal_mask(pos),
                          use_cache=True, output_hidden_states=eng.drafter is not None, logits_to_keep=self.last,
-                         **{eng._cache_kw: self.cache})
+                         **{eng._cache_kw: self.cache}, **eng._key_end(pos))
         # out.logits [slots, slots, vocab]: every slot's row at every slot's `last`; slot j's own is [j, j]
         logits.copy_(out.logits.diagonal(0, 0, 1).t().float())
         if eng.drafter is not None:
