@@ -301,6 +301,7 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
     res["attention"] = engine.attention  # the target's attention in the engine's rounds ("auto" resolved)
     if engine.attention == "triton":  # the kernel's settings, min_rows included ("auto": one-row calls on SDPA)
         res["attention_settings"] = dict(engine.attention_settings)
+        res["attention_key_end"] = engine.attention_key_end
     one_row_keys = engine.one_row_keys(batch)
     if one_row_keys:  # one-row steps on the kernel up to that many keys in use, then on SDPA
         res.update(attention_one_row_keys=one_row_keys, one_row_kernel_steps=on_kernel)

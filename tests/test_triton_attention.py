@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_target
+from conftest import build_drafter, build_target
 
 pytest.importorskip("triton")
 TESTS = Path(__file__).resolve().parent
@@ -124,6 +124,42 @@ def test_kernel_equals_sdpa_on_every_mask_the_engine_makes():
     assert out["plans"] == [[32, 7], [64, 4], [200, 1], [200, 1], [256, 16]]
 
 
+def test_key_end_is_each_forwards_last_seen_key_plus_one():
+    """`attention_key_end`'s plumbing on CPU (the attention is SDPA here, which ignores the keyword): every target
+    forward, the rounds' (tree + lookup) and the row prefills' of continuous batching, hands over each row's end of
+    the keys in use, and it is exactly one past the last key its mask lets any query row see (a smaller one would drop
+    keys, a larger one only costs time). The decoded text stays plain greedy."""
+    from test_engine import _greedy_refs, _prompts
+    from test_engine_tree import WIDE
+
+    from hf_carryover.engine.attention import KEY_END
+    from hf_carryover.engine.engine import SpeculativeEngine
+
+    target = build_target("llama", num_layers=2)
+    drafter = build_drafter(target, "dflash", True, target_layer_ids=[0])
+    prompts = _prompts(2, (3, 9, 5))
+    refs = _greedy_refs(target, prompts, 12)
+    engine = SpeculativeEngine(target, drafter, max_len=96, attention_key_end=True)
+    assert not engine.attention_key_end  # only with the kernel: an SDPA engine passes nothing
+    engine.attention_key_end = True  # the plumbing alone
+    calls = []
+
+    def record(module, args, kwargs):
+        mask = kwargs["attention_mask"][:, 0].any(1)  # [b, keys]: seen by some query row
+        last = torch.where(mask, torch.arange(mask.shape[1]), -1).amax(1) + 1
+        calls.append((kwargs.get("logits_to_keep") is not None, torch.equal(kwargs[KEY_END], last)))
+
+    hook = target.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        out = engine.generate(prompts, max_new_tokens=12, tree=WIDE, tree_nodes=5, prompt_lookup_num_tokens=3,
+                              batch_size=2)
+    finally:
+        hook.remove()
+    assert out == refs
+    assert all(ok for _, ok in calls), calls
+    assert {refill for refill, _ in calls} == {True, False}  # row prefills and rounds both ran
+
+
 def test_engine_with_triton_attention_decodes_plain_greedy_text():
     """Engines on the kernel (qwen3: head dim 16) against plain greedy decoding: linear rounds and prefills, tree +
     lookup rounds, and a compiled (aot_eager) tree round; a llama target with head dim 8 falls back to SDPA and stays
@@ -150,11 +186,12 @@ def test_engine_with_triton_attention_decodes_plain_greedy_text():
             drafter = build_drafter(target, "dflash", True, target_layer_ids=[0])
             calls.clear()
             lin = SpeculativeEngine(target, drafter, max_len=64, attention="triton", attention_block_n=16,
-                                    attention_split_n=16, drafter_attention="sdpa")  # 4 parts of 16 keys
+                                    attention_split_n=16, drafter_attention="sdpa",  # 4 parts of 16 keys
+                                    attention_key_end=True)
             ends.clear()
             res[arch + "_linear"] = lin.generate(prompts, max_new_tokens=14) == refs
             res[arch + "_calls"] = len(calls)
-            res[arch + "_linear_ends"] = sum(ends)  # the default attention_key_end: every call (prefill, rounds)
+            res[arch + "_linear_ends"] = sum(ends)  # attention_key_end: every call (prefill, rounds)
             tree = SpeculativeEngine(target, drafter, max_len=128, attention="triton", attention_mode="skip",
                                      drafter_attention="sdpa")
             res[arch + "_tree"] = tree.generate(prompts, max_new_tokens=14, tree=WIDE, prompt_lookup_num_tokens=3,
@@ -165,7 +202,7 @@ def test_engine_with_triton_attention_decodes_plain_greedy_text():
                                       attention_split_n=32)
             res[arch + "_tree_dense"] = dense.generate(prompts, max_new_tokens=14, tree=WIDE,
                                                        prompt_lookup_num_tokens=3, tree_nodes=5) == refs
-            # the same without the keys' end: the kernel scans the mask for it (same tokens)
+            # the same without the keys' end (the default): the kernel scans the mask for it (same tokens)
             ends.clear()
             scan = SpeculativeEngine(target, drafter, max_len=128, attention="triton", attention_block_n=16,
                                      attention_split_n=32, drafter_attention="sdpa", attention_key_end=False)
@@ -487,6 +524,8 @@ def test_triton_attention_option_errors():
     for attention in ("sdpa", "auto"):  # "auto" on a CPU target takes SDPA: nothing to switch between
         with pytest.raises(ValueError, match="attention_one_row_keys=512 switches .* attention is 'sdpa'"):
             SpeculativeEngine(target, attention=attention, attention_one_row_keys=512)
+    with pytest.raises(ValueError, match="attention_key_end='yes': True or False"):
+        SpeculativeEngine(target, attention_key_end="yes")
 
 
 def test_auto_attention_takes_the_kernel_for_half_precision_cuda_targets(monkeypatch):

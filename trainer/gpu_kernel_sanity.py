@@ -3,19 +3,25 @@ bf16 logits against an exact ranking (a stable sort of the logits) and float64 l
 picks the same tokens; `skinny_mm` in bf16 against a float32 product, and in fp32 against float32's worst-case
 rounding bound; `silu_mul_mm` (the gated MLPs' down projection, `gated_mlp.py`) the same way against SiLU(gate) * up
 rounded to the inputs' dtype, as a separate kernel stores it. A case that fails records its error and the rest still
-run (a Triton kernel can compile on the interpreter and not on the card). Prints one JSON line.
+run (a Triton kernel can compile on the interpreter and not on the card). Prints one JSON line, with the commit, GPU
+and versions (`env`).
 
     python trainer/gpu_kernel_sanity.py > sanity.json
 """
 import json
+import sys
+from pathlib import Path
 
 import torch
 
-from hf_carryover.engine.skinny_gemm import settings, silu_mul_mm, skinny_mm
-from hf_carryover.engine.vocab_topk import vocab_topk
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from evaluate_tau import environment  # noqa: E402
+
+from hf_carryover.engine.skinny_gemm import settings, silu_mul_mm, skinny_mm  # noqa: E402
+from hf_carryover.engine.vocab_topk import vocab_topk  # noqa: E402
 
 torch.manual_seed(0)
-res = {}
+res = {"env": environment()}  # commit, GPU and versions
 x = (torch.randn(2, 15, 49152, device="cuda") * 3).to(torch.bfloat16)
 v, i = vocab_topk(x, 8)
 order = torch.sort(-x.float(), dim=-1, stable=True).indices[..., :8]

@@ -78,7 +78,7 @@ class SpeculativeEngine(DecodeLoop, CapturedRounds, LinearRounds, TreeRounds):
                  drafter_attention: str = "auto",
                  rope_table: bool | str = "auto", dynamic_prefill: bool = True, prefill_ahead: bool | int = True,
                  gemv_rows: int | str = "auto", gemv_fusion: bool | str = False, skinny_rows: int = 0,
-                 gated_mlp: bool = False, attention_key_end: bool = True):
+                 gated_mlp: bool = False, attention_key_end: bool = False):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -163,12 +163,16 @@ class SpeculativeEngine(DecodeLoop, CapturedRounds, LinearRounds, TreeRounds):
         on an H100 (`h100-2026-12-05h`); batch 8 was 1.7 % faster on the H200 (`one_row.py`).
         SDPA at one row (cuDNN) is not run-to-run deterministic in bf16 on the H200 (12-03d's
         `pass_determinism.txt`); attention="triton" gives reproducible bf16 plain decoding.
-        `attention_key_end=True` (the default; where the target's attention is the kernel): each target forward hands
-        the kernel every row's last written slot + 1 as the end of its keys in use (`_key_end`), so it skips its
+        `attention_key_end=True` (where the target's attention is the kernel; default False): each target forward
+        hands the kernel every row's last written slot + 1 as the end of its keys in use (`_key_end`), so it skips its
         first pass over the mask (`triton_attention.masked_gqa_attention(key_end=...)`). Same keys, same values but
         where the end moves a key split (bf16 sums then fold in another order). Timed alone on an H100 (one layer,
         the reference target's shapes, `trainer/gpu_attention_bench.py`, `h100-2026-12-06e`): 32 query rows 4.94 ->
         4.60 us at batch 1 and 7.71 -> 7.15 at batch 8 (200 committed keys), one row 4.88 -> 4.45 and 5.87 -> 5.35.
+        End to end it was not measurable: a tree 31 + lookup round on 80 HumanEval prompts took 1.410 ms with it
+        against 1.405 without (another machine start of the same H100 kind; the same tokens). That run's row prefill
+        took the end as a reduction over its dynamic width, which inductor refused on the GPU (it fell back to
+        per-width compiles); it now indexes the last position instead, not yet compiled on a GPU. So it is off.
 
         run_ahead=True: the decode loop keeps one round queued ahead of its one read per round (`graphs.run_ahead`),
         so the GPU does not wait for the host between rounds; each call then runs one round more than it needs (a
@@ -415,11 +419,15 @@ class SpeculativeEngine(DecodeLoop, CapturedRounds, LinearRounds, TreeRounds):
         feats = self.drafter.target_features(out.hidden_states) if self.drafter is not None else None
         return out.logits.float(), feats
 
-    def _key_end(self, slots: torch.Tensor) -> dict:
-        """The target forward's keyword for the attention kernel's `key_end` (`attention_key_end`): each row's last
-        written slot + 1. Every mask the engine builds lets a query see only committed slots and slots its forward
-        writes (a causal block at those positions, a tree's ancestors), so no query row sees a key at or past it."""
-        return {KEY_END: slots.amax(1) + 1} if self.attention_key_end else {}
+    def _key_end(self, slots: torch.Tensor, ordered: bool = False) -> dict:
+        """The target forward's keyword for the attention kernel's `key_end` (`attention_key_end`; {} when off, so
+        nothing is computed): each row's last written slot + 1, from the forward's `slots` `[b, n]` (ordered: they
+        increase along each row, so the last column is the largest and no reduction is needed). Every mask the engine
+        builds lets a query see only committed slots and slots its forward writes (a causal block at those positions,
+        a tree's ancestors), so no query row sees a key at or past it."""
+        if not self.attention_key_end:
+            return {}
+        return {KEY_END: (slots[:, -1] if ordered else slots.amax(1)) + 1}
 
     def one_row_keys(self, rows: int) -> int | None:
         """The keys bound of `attention_one_row_keys` for a call of `rows` rows (None: one-row steps stay where

@@ -107,11 +107,13 @@ class RowPrefill:
         comes from `tokens`, not from an argument, so a compile that leaves it dynamic serves every width."""
         eng = self.engine
         n, w = tokens.shape
-        pos = eng._steps[:w][None].expand(n, -1)  # [slots, w]
+        # [slots, w]: 0..w-1 in every row, so the keys' end is its last column (`ordered`); a reduction over the dynamic
+        # width (amax) failed inductor's GPU compile ("dynamic shape on reduction dimension", h100-2026-12-06e)
+        pos = eng._steps[:w][None].expand(n, -1)
         self.cache.positions = pos
         out = eng.target(input_ids=tokens, position_ids=pos, attention_mask=self.cache.causal_mask(pos),
                          use_cache=True, output_hidden_states=eng.drafter is not None, logits_to_keep=self.last,
-                         **{eng._cache_kw: self.cache}, **eng._key_end(pos))
+                         **{eng._cache_kw: self.cache}, **eng._key_end(pos, ordered=True))
         # out.logits [slots, slots, vocab]: every slot's row at every slot's `last`; slot j's own is [j, j]
         logits.copy_(out.logits.diagonal(0, 0, 1).t().float())
         if eng.drafter is not None:

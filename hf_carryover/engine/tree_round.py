@@ -44,7 +44,8 @@ class TreeRounds:
         what is left), in one draw per verified row."""
         k, steps, b = st.k, self._steps, st.b
         on = self.drafter.config.carryover
-        kernel = self.draft_topk == "triton" and tree.max_rank <= MAX_RANK  # (`vocab_topk.py`: it reads bf16 logits as is)
+        # (`vocab_topk.py`'s kernel reads bf16 logits as they are)
+        kernel = self.draft_topk == "triton" and tree.max_rank <= MAX_RANK
         logits_d = self._draft_logits(st.dcache, st.anchor, st.anchor_pos, st.carry if on else None, st.carry_pos,
                                       st.carry_valid if on else st.carry_valid[:, :0], cast=not kernel)
         lp, top = draft_topk(logits_d[:, : tree.max_depth], tree.max_rank, kernel)  # [b, D, R] each, lp float32
