@@ -73,6 +73,43 @@ def test_row_prefill_compiles_once_for_every_width(monkeypatch, dynamic):
     assert next(iter(two._prefills.values())).dynamic_width is dynamic
 
 
+_REDUCTIONS = {"amax", "amin", "max", "min", "sum", "mean", "prod", "argmax", "argmin", "any", "all", "logsumexp"}
+
+
+@register_backend
+def hf_carryover_test_no_symbolic_reduction(gm, example_inputs):
+    """Refuses a graph that reduces over a symbolic size, as inductor's GPU code generation did for the row prefill's
+    key end ("Dynamic shape on reduction dimension is not supported", h100-2026-12-06e; CPU inductor compiles it)."""
+    for node in gm.graph.nodes:
+        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+        if node.op not in ("call_method", "call_function") or name not in _REDUCTIONS or not node.args:
+            continue
+        x = getattr(node.args[0], "meta", {}).get("example_value")
+        if not isinstance(x, torch.Tensor):
+            continue
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        dims = range(x.dim()) if dim is None else dim if isinstance(dim, (list, tuple)) else [dim]
+        if any(isinstance(x.shape[d], torch.SymInt) for d in dims):
+            raise RuntimeError(f"{name} over a symbolic size: {node.format_node()}")
+    COMPILES.append(_symbols(example_inputs))
+    return gm.forward
+
+
+def test_dynamic_prefill_with_the_key_end_reduces_over_no_symbolic_size(monkeypatch):
+    """`attention_key_end` in the dynamic-width row prefill (forced on: on CPU the attention is SDPA, which ignores
+    it): the prefill's end of the keys in use must not be a reduction over the width, or the dynamic compile fails
+    on the GPU and falls back to per-width compiles."""
+    target, drafter, prompts, refs = _setup(monkeypatch)
+    torch._dynamo.reset()
+    COMPILES.clear()
+    engine = SpeculativeEngine(target, drafter, max_len=96, compile="hf_carryover_test_no_symbolic_reduction")
+    engine.attention_key_end = True
+    engine.row_prefill = True
+    assert [engine.generate([p], max_new_tokens=12) for p in prompts] == refs
+    assert next(iter(engine._prefills.values())).dynamic_width
+    assert sum(bool(s) for s in COMPILES) == 1  # one dynamic compile served all three widths
+
+
 def test_failed_dynamic_prefill_compiles_per_width(monkeypatch):
     """A backend that refuses symbolic sizes: the prefill warns once, compiles per width from then on, and every
     call still gives the eager engine's tokens."""
