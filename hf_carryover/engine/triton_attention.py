@@ -44,7 +44,7 @@ pairs of a K/V head in programs of 64 (SDPA 14.2): more, smaller programs and lo
 `dense` took 4.88 / 6.97 (SDPA 6.60 / 6.56).
 
 `key_end` (`[b]`): the caller hands the end of each batch row's keys in use and the kernel skips its scan. Timed alone
-on an H100 (`h100-2026-12-06e`, 30 layers replayed): 0.34-0.81 us (5-9 %) cheaper a layer at 1 and 32 query rows,
+on an H100 (`h100-2026-12-06e`, 30 layers replayed): 0.34-0.81 us (3-9 %) cheaper a layer at 1 and 32 query rows,
 batch 1 and 8; in a real tree round the difference did not show (1.410 against 1.405 ms, two machine starts), so the
 engine passes it only with `attention_key_end=True`.
 
