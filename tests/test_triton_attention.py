@@ -139,8 +139,9 @@ def test_key_end_is_each_forwards_last_seen_key_plus_one():
     drafter = build_drafter(target, "dflash", True, target_layer_ids=[0])
     prompts = _prompts(2, (3, 9, 5))
     refs = _greedy_refs(target, prompts, 12)
-    engine = SpeculativeEngine(target, drafter, max_len=96, attention_key_end=True)
-    assert not engine.attention_key_end  # only with the kernel: an SDPA engine passes nothing
+    with pytest.raises(ValueError, match="attention_key_end=True hands the Triton .* attention is 'sdpa'"):
+        SpeculativeEngine(target, drafter, max_len=96, attention_key_end=True)  # only with the kernel
+    engine = SpeculativeEngine(target, drafter, max_len=96)
     engine.attention_key_end = True  # the plumbing alone
     calls = []
 

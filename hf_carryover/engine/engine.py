@@ -163,16 +163,16 @@ class SpeculativeEngine(DecodeLoop, CapturedRounds, LinearRounds, TreeRounds):
         on an H100 (`h100-2026-12-05h`); batch 8 was 1.7 % faster on the H200 (`one_row.py`).
         SDPA at one row (cuDNN) is not run-to-run deterministic in bf16 on the H200 (12-03d's
         `pass_determinism.txt`); attention="triton" gives reproducible bf16 plain decoding.
-        `attention_key_end=True` (where the target's attention is the kernel; default False): each target forward
-        hands the kernel every row's last written slot + 1 as the end of its keys in use (`_key_end`), so it skips its
-        first pass over the mask (`triton_attention.masked_gqa_attention(key_end=...)`). Same keys, same values but
-        where the end moves a key split (bf16 sums then fold in another order). Timed alone on an H100 (one layer,
-        the reference target's shapes, `trainer/gpu_attention_bench.py`, `h100-2026-12-06e`): 32 query rows 4.94 ->
-        4.60 us at batch 1 and 7.71 -> 7.15 at batch 8 (200 committed keys), one row 4.88 -> 4.45 and 5.87 -> 5.35.
-        End to end it was not measurable: a tree 31 + lookup round on 80 HumanEval prompts took 1.410 ms with it
-        against 1.405 without (another machine start of the same H100 kind; the same tokens). That run's row prefill
-        took the end as a reduction over its dynamic width, which inductor refused on the GPU (it fell back to
-        per-width compiles); it now indexes the last position instead, not yet compiled on a GPU. So it is off.
+        `attention_key_end=True` (only where the target's attention is the kernel, else refused; default False): each
+        target forward hands the kernel every row's last written slot + 1 as the end of its keys in use (`_key_end`), so
+        it skips its first pass over the mask (`triton_attention.masked_gqa_attention(key_end=...)`). Same keys, same
+        values but where the end moves a key split (bf16 sums then fold in another order). Timed alone on an H100 (one
+        layer, the reference target's shapes, `trainer/gpu_attention_bench.py`, `h100-2026-12-06e`): 32 query rows 4.94
+        -> 4.60 us at batch 1 and 7.71 -> 7.15 at batch 8 (200 committed keys), one row 4.88 -> 4.45 and 5.87 -> 5.35.
+        End to end it was not measurable: a tree 31 + lookup round on 80 HumanEval prompts took 1.410 ms with it against
+        1.405 without (another machine start of the same H100 kind; the same tokens). That run's row prefill took the
+        end as a reduction over its dynamic width, which inductor refused on the GPU (it fell back to per-width
+        compiles); it now indexes the last position instead, not yet compiled on a GPU. So it is off.
 
         run_ahead=True: the decode loop keeps one round queued ahead of its one read per round (`graphs.run_ahead`),
         so the GPU does not wait for the host between rounds; each call then runs one round more than it needs (a
@@ -285,7 +285,11 @@ class SpeculativeEngine(DecodeLoop, CapturedRounds, LinearRounds, TreeRounds):
                                    "block_m": int(attention_block_m), "min_rows": min_rows}
         if not isinstance(attention_key_end, bool):
             raise ValueError(f"attention_key_end={attention_key_end!r}: True or False.")
-        self.attention_key_end = attention_key_end and attention == "triton"
+        if attention_key_end and attention != "triton":
+            raise ValueError("attention_key_end=True hands the Triton attention kernel the end of the keys in use, "
+                             f"but this engine's attention is {attention!r} ('auto' takes the kernel for bf16/fp16 "
+                             "CUDA targets with Triton installed)")
+        self.attention_key_end = attention_key_end
         if attention == "triton":
             why = (check_triton_settings(attention_mode, self.attention_settings["block_n"], "attention_",
                                          self.attention_settings["split_n"], self.attention_settings["block_m"])
