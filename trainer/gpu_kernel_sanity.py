@@ -1,7 +1,8 @@
 """The tree round's Triton kernels on the GPU, before a timing trusts them (`h100-2026-12-06c`): `vocab_topk` on random
 bf16 logits against an exact ranking (a stable sort of the logits) and float64 log-softmax, and how often torch's topk
 picks the same tokens; `skinny_mm` in bf16 against a float32 product, and in fp32 against float32's worst-case
-rounding bound; `silu_mul_mm` (the gated MLPs' down projection, `gated_mlp.py`) the same way against SiLU(gate) * up
+rounding bound; `fused_linear` (norm, SiLU * up and residual folded in) against the eager modules' computation;
+`silu_mul_mm` (the gated MLPs' down projection, `gated_mlp.py`) the same way against SiLU(gate) * up
 rounded to the inputs' dtype, as a separate kernel stores it. A case that fails records its error and the rest still
 run (a Triton kernel can compile on the interpreter and not on the card). Prints one JSON line, with the commit, GPU
 and versions (`env`).
@@ -17,6 +18,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from evaluate_tau import environment  # noqa: E402
 
+from hf_carryover.engine.fused_linear import fused_linear  # noqa: E402
+from hf_carryover.engine.fused_linear import reference as fused_reference  # noqa: E402
+from hf_carryover.engine.fused_linear import settings as fused_settings  # noqa: E402
 from hf_carryover.engine.skinny_gemm import settings, silu_mul_mm, skinny_mm  # noqa: E402
 from hf_carryover.engine.vocab_topk import vocab_topk  # noqa: E402
 
@@ -68,4 +72,31 @@ for m, n, k in ((32, 960, 576), (16, 576, 2880), (8, 576, 1536), (32, 576, 1536)
 # the reference target's and drafter's down projections (32 and 16 rows), and the most rows skinny_rows allows
 for m, n, k in ((32, 576, 1536), (16, 576, 1536), (64, 576, 1536)):
     case(f"silu_mul_{m}x{n}x{k}", lambda: gated(m, n, k))
+
+
+def folded(m, n, k, norm, glu, resid):
+    """`fused_linear` against the eager modules' computation (`fused_linear.reference`): bf16 against bf16 eager
+    (relative to the output's largest value), fp32 against float64 (relative error; the norm itself is float32)."""
+    for dtype, tag in ((torch.bfloat16, ""), (torch.float32, "32")):
+        x = torch.randn(m, k, device="cuda").to(dtype)
+        w = (torch.randn(2 * n if glu else n, k, device="cuda") / k ** 0.5).to(dtype)
+        nw = (1 + 0.1 * torch.randn(k, device="cuda")).to(dtype) if norm else None
+        r = torch.randn(m, n, device="cuda").to(dtype) if resid else None
+        y = fused_linear(x, w, nw, 1e-5, r, glu, *fused_settings(m, n, k))
+        if dtype == torch.bfloat16:
+            ref = fused_reference(x, w, nw, 1e-5, r, glu).float()
+        else:
+            ref = fused_reference(x.double(), w.double(), None if nw is None else nw.double(), 1e-5,
+                                  None if r is None else r.double(), glu)
+        res[f"folded{tag}_{m}x{n}x{k}{'_norm' * norm}{'_glu' * glu}{'_resid' * resid}_rel"] = (
+            (y.to(ref.dtype) - ref).abs().max() / ref.abs().max()).item()
+
+
+# the reference target's q/k/v (norm), o (residual), gate/up (norm, SiLU * up), down (residual) and vocabulary head
+# (norm) at a plain step's 1 row, batch 8's 8 and a tree verify's 32
+for m in (1, 8, 32):
+    for n, k, norm, glu, resid in ((960, 576, True, False, False), (576, 576, False, False, True),
+                                   (1536, 576, True, True, False), (576, 1536, False, False, True),
+                                   (49152, 576, True, False, False)):
+        case(f"folded_{m}x{n}x{k}", lambda: folded(m, n, k, norm, glu, resid))
 print(json.dumps(res))

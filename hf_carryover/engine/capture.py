@@ -18,6 +18,7 @@ from .compiling import check_inductor_options, compile_round
 from .fuse_projections import FuseSharedInputMatmuls
 from .graphs import capture_round
 from .refill import RowPrefill
+from .fused_linear import available as fused_linear_available
 from .skinny_gemm import available as skinny_available
 from .state import DecodeState
 
@@ -55,7 +56,8 @@ class CapturedRounds:
     provides `cuda_graphs`, `profile`, `compile`, `prefill_ahead`, the rounds (`_round`, `_tree_round`, their compiled
     forms), `_begin`, `_on_cuda` and the caches of graphs and prefills (`_graphs`, `_prefills`)."""
 
-    def _setup_compile(self, compile, compile_options, gemv_rows, gemv_fusion, target, skinny_rows=0) -> None:
+    def _setup_compile(self, compile, compile_options, gemv_rows, gemv_fusion, target, skinny_rows=0,
+                       fused_linear_rows=0) -> None:
         """The constructor's compile options (`SpeculativeEngine`'s docstring says what each does and what it was
         measured at), checked and resolved: the backend, inductor's options, `gemv_rows` ("auto" resolved),
         `gemv_fusion`, and the engine's own inductor pass where the weights are frozen."""
@@ -83,6 +85,13 @@ class CapturedRounds:
             raise ValueError(f"skinny_rows={skinny_rows} hands the frozen weights' GEMMs to a Triton kernel in the "
                              f"engine's own inductor pass: {why or 'it needs compile=True with freezing=True'}.")
         self.skinny_rows = skinny_rows
+        if not isinstance(fused_linear_rows, int) or isinstance(fused_linear_rows, bool) or fused_linear_rows < 0:
+            raise ValueError(f"fused_linear_rows={fused_linear_rows!r}: a number of rows, 0 (off) or more.")
+        why = fused_linear_available(target.device) if fused_linear_rows else None
+        if fused_linear_rows and (why or not runs_own_pass(compile, self.compile_options)):
+            raise ValueError(f"fused_linear_rows={fused_linear_rows} hands the frozen weights' GEMMs to a Triton kernel "
+                             f"in the engine's own inductor pass: {why or 'it needs compile=True with freezing=True'}.")
+        self.fused_linear_rows = fused_linear_rows
         if self.compile_options:
             check_inductor_options(self.compile_options)
         # with frozen weights, q/k/v (and any projections sharing an input) become one GEMM whatever their widths
@@ -92,7 +101,7 @@ class CapturedRounds:
         if runs_own_pass(compile, self.compile_options):
             self.fused_projections = FuseSharedInputMatmuls(gemv_rows=gemv_rows, gemv_fusion=gemv_fusion,
                                                             weights_first=pdl_on(self.compile_options),
-                                                            skinny_rows=skinny_rows)
+                                                            skinny_rows=skinny_rows, fused_rows=fused_linear_rows)
             self._inductor_patch["post_grad_custom_pre_pass"] = self.fused_projections
         self._compiled_round = self._compiled(self._round) if compile else None
         self._compiled_tree_round = None  # compiled on first use of a tree

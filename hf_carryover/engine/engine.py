@@ -78,7 +78,7 @@ class SpeculativeEngine(DecodeLoop, CapturedRounds, LinearRounds, TreeRounds):
                  drafter_attention: str = "auto",
                  rope_table: bool | str = "auto", dynamic_prefill: bool = True, prefill_ahead: bool | int = True,
                  gemv_rows: int | str = "auto", gemv_fusion: bool | str = False, skinny_rows: int = 0,
-                 gated_mlp: bool = False, attention_key_end: bool = False):
+                 gated_mlp: bool = False, attention_key_end: bool = False, fused_linear_rows: int = 0):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -254,7 +254,12 @@ class SpeculativeEngine(DecodeLoop, CapturedRounds, LinearRounds, TreeRounds):
         1.418 ms on 80 HumanEval prompts and 1.363 against 1.360 on 80 MT-Bench ones (an H100, one machine start,
         `h100-2026-12-06d`), so it stays off. gated_mlp=True (with skinny_rows) also has gated SiLU MLPs compute
         SiLU(gate) * up inside their down projection's kernel (`gated_mlp.py`): that made the round 41 % dearer
-        (2.004 ms; the kernel 22 against 9.8 us, `gated_mlp.py`); off, kept for study."""
+        (2.004 ms; the kernel 22 against 9.8 us, `gated_mlp.py`); off, kept for study.
+
+        fused_linear_rows=N (with compile and freezing; default 0, off): frozen-weight GEMMs of at most N rows (up to
+        64) run on `fused_linear.py`'s Triton kernel, each with the RMSNorm before it, or the SiLU(gate) * up or
+        residual add after it, made in the same kernel where the graph has them (`fold_linears.py`): about 7
+        launches a decoder layer in place of 10. It takes these GEMMs before gemv_rows and skinny_rows do."""
         if not any(rope_table is v for v in (True, False)) and rope_table != "auto":
             raise ValueError(f"rope_table={rope_table!r}: 'auto', True or False.")
         if not isinstance(dynamic_prefill, bool):
@@ -323,7 +328,8 @@ class SpeculativeEngine(DecodeLoop, CapturedRounds, LinearRounds, TreeRounds):
         # replayed; None (the default) costs nothing
         self.round_hook = None
         self.profile = profile
-        self._setup_compile(compile, compile_options, gemv_rows, gemv_fusion, target, skinny_rows)  # (`capture.py`)
+        self._setup_compile(compile, compile_options, gemv_rows, gemv_fusion, target, skinny_rows,
+                            fused_linear_rows)  # (`capture.py`)
         self.cuda_graphs = cuda_graphs
         self.last_mode: str | None = None
         self.timing = {"draft": 0.0, "verify": 0.0, "other": 0.0, "rounds": 0}

@@ -68,7 +68,7 @@ class FuseSharedInputMatmuls(CustomGraphPass):
     through it, so both can read 0 while the loaded code is merged all the same (the H200 rows of 2026-12-05 read 0)."""
 
     def __init__(self, gemv_rows: int = 0, gemv_fusion: bool | str = False, weights_first: bool = False,
-                 skinny_rows: int = 0):
+                 skinny_rows: int = 0, fused_rows: int = 0):
         self.fused = 0
         self.graphs = 0
         self.gemv_rows = int(gemv_rows)
@@ -79,6 +79,9 @@ class FuseSharedInputMatmuls(CustomGraphPass):
         self.rotations = 0  # RoPE rotate_half concatenations written as indexing (`rotate_half.py`)
         self.skinny_rows = int(skinny_rows)
         self.skinny = 0  # mm nodes handed to skinny_gemm (skinny_rows), over every graph seen
+        self.fused_rows = int(fused_rows)
+        # mm nodes handed to fused_linear (fused_rows) and the norms, SiLU * up and residual adds folded into them
+        self.folded = {"linears": 0, "norms": 0, "glus": 0, "residuals": 0}
 
     def record(self) -> dict:
         """What a benchmark or profile row records of the pass: GEMMs merged (`fused_gemms`), rotate_half cats written
@@ -91,14 +94,20 @@ class FuseSharedInputMatmuls(CustomGraphPass):
                        gemv_norms=self.gemv_norms if seen else None, gemv_weights_first=self.weights_first)
         if self.skinny_rows:
             res.update(skinny_rows=self.skinny_rows, skinny_gemms=self.skinny if seen else None)
+        if self.fused_rows:
+            res.update(fused_linear_rows=self.fused_rows,
+                       **{f"fused_{key}": value if seen else None for key, value in self.folded.items()})
         return res
 
     def uuid(self):  # the FX graph cache's key: this file's code and the options that change what it does
         if get_hash_for_files is None:
             return None
-        code = get_hash_for_files((__file__, rotate_half.__file__, fx_nodes.__file__, skinny_gemm.__file__))
+        from . import fold_linears, fused_linear
+
+        code = get_hash_for_files((__file__, rotate_half.__file__, fx_nodes.__file__, skinny_gemm.__file__,
+                                   fold_linears.__file__, fused_linear.__file__))
         return (code.hex() if isinstance(code, bytes) else str(code), self.gemv_rows, self.gemv_fusion,
-                self.weights_first, self.skinny_rows)
+                self.weights_first, self.skinny_rows, self.fused_rows)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         gm = graph.owning_module
@@ -122,6 +131,11 @@ class FuseSharedInputMatmuls(CustomGraphPass):
                 self._fuse(gm, graph, x, nodes)
                 self.fused += len(nodes) - 1
         self.rotations += rotate_half.rotate_half_without_cat(graph)
+        if self.fused_rows:  # before the GEMV rewrite: what this folds is no longer an mm there
+            from .fold_linears import fold_linears
+
+            for key, value in fold_linears(graph, self.fused_rows).items():
+                self.folded[key] += value
         if self.gemv_rows:
             gemvs, norms = _as_reductions(graph, self.gemv_rows, fold=bool(self.gemv_fusion),
                                           split=self.gemv_fusion is True, weights_first=self.weights_first)

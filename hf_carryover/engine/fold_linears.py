@@ -1,0 +1,167 @@
+"""The few-row projections of frozen compiled graphs, with the RMSNorm before them and the SiLU(gate) * up or residual
+add after them, handed to one Triton kernel each (`fused_linear.py`; `SpeculativeEngine(fused_linear_rows=N)`).
+
+Why: see `fused_linear.py`. Inductor could not do this itself: a norm's mean is a reduction over the row and the
+projection another, and its own attempt to fold the norm into a reduction-written GEMV (`gemv_fusion`) recomputed the
+mean for every output column and made a step slower (`h100-2026-12-05d`, `h100-2026-12-05f`).
+
+`fold_linears(graph, rows)` runs in the engine's post-grad pass after q/k/v (and gate/up) were merged
+(`fuse_projections.py`). For every `mm(x [M, K], W [K, N])` with a constant W and M <= rows it looks for three
+patterns, in the forms transformers' Llama-style layers take after inductor's decompositions:
+  * x made by an RMSNorm (`fuse_projections._rms_norm`: `reshape(w * cast(h * rsqrt(mean(h^2) + eps)))`): the kernel
+    reads h and the norm's weight, and the norm's nodes go;
+  * the mm read only through two equal column slices, gate then up, that meet in `silu(gate) * up`, silu written as
+    `g / (1 + exp(-g))` or `g * sigmoid(g)`, with casts between (`_glu_product`): the kernel writes the product;
+  * otherwise, the mm read only by `reshape` -> `add(other, that)` of the same shape (a residual add): the kernel adds.
+Everything else the mm feeds stays as it was. A graph with none of the patterns still gets every such mm on the kernel
+(a plain projection). Returns the counts of each, for the engine's records.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import fused_linear
+from .fuse_projections import _constant_weight_mms, _equal_slices, _rms_norm
+from .fx_nodes import is_call, node_maker
+
+_aten = torch.ops.aten
+_CONVERT = torch.ops.prims.convert_element_type.default
+_VIEWS = (_aten.reshape.default, _aten.view.default, _aten._unsafe_view.default)
+
+
+def _through(node, kinds):
+    """Follow single-user nodes of `kinds` (reshapes, casts) from `node`; the last node reached and the chain."""
+    chain = []
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        if not is_call(user, *kinds) or user.args[0] is not node:
+            break
+        chain.append(user)
+        node = user
+    return node, chain
+
+
+def _silu_of(node):
+    """The node computing silu(g) from g = `node` (`g / (1 + exp(-g))` or `g * sigmoid(g)`, each possibly followed by
+    one cast), and the nodes in between, or (None, None)."""
+    users = list(node.users)
+    if len(users) != 2:
+        return None, None
+    neg = next((u for u in users if is_call(u, _aten.neg.default)), None)
+    sig = next((u for u in users if is_call(u, _aten.sigmoid.default)), None)
+    other = next((u for u in users if u is not (neg or sig)), None)
+    if neg is not None and len(neg.users) == 1:
+        exp = next(iter(neg.users))
+        if is_call(exp, _aten.exp.default) and len(exp.users) == 1:
+            one = next(iter(exp.users))
+            if (is_call(one, _aten.add.Tensor) and one.args == (exp, 1) and len(one.users) == 1
+                    and is_call(other, _aten.div.Tensor) and other.args == (node, one)):
+                out, casts = _through(other, (_CONVERT,))
+                return out, [neg, exp, one, other, *casts]
+    if sig is not None and len(sig.users) == 1 and is_call(other, _aten.mul.Tensor) and set(other.args) == {node, sig}:
+        out, casts = _through(other, (_CONVERT,))
+        return out, [sig, other, *casts]
+    return None, None
+
+
+def _glu_product(mm):
+    """The node `silu(gate) * up` when `mm`'s output is read only as gate and up halves (a merged gate/up), with the
+    nodes between them, or (None, None)."""
+    pieces = _equal_slices(mm)
+    if pieces is None or len(pieces) != 2:
+        return None, None
+    (gate, _, _), (up, _, _) = sorted(pieces, key=lambda p: p[1])
+    g, g_chain = _through(gate, (*_VIEWS, _CONVERT))
+    u, u_chain = _through(up, (*_VIEWS, _CONVERT))
+    silu, silu_chain = _silu_of(g)
+    if silu is None or len(silu.users) != 1:
+        return None, None
+    prod = next(iter(silu.users))
+    if not (is_call(prod, _aten.mul.Tensor) and set(prod.args) == {silu, u} and len(u.users) == 1):
+        return None, None
+    if prod.meta["val"].dtype != mm.meta["val"].dtype:
+        return None, None
+    return prod, [gate, up, *g_chain, *u_chain, *silu_chain, prod]
+
+
+def _residual_add(mm):
+    """(`add(other, reshape(mm))`, other) when that is all `mm` feeds and both operands have one shape and dtype."""
+    view, chain = _through(mm, _VIEWS)
+    if not chain or len(view.users) != 1:
+        return None, None
+    add = next(iter(view.users))
+    if not is_call(add, _aten.add.Tensor) or len(add.args) != 2 or add.kwargs:
+        return None, None
+    other = add.args[1] if add.args[0] is view else add.args[0]
+    if not isinstance(other, torch.fx.Node) or other is view or "val" not in other.meta:
+        return None, None
+    ov, vv = other.meta["val"], view.meta["val"]
+    if ov.shape != vv.shape or ov.dtype != vv.dtype or add.meta["val"].shape != vv.shape:
+        return None, None
+    return add, other
+
+
+def _erase_dead(graph, nodes) -> None:
+    """Erase the nodes of `nodes` (and what they alone read, within `nodes`) that nothing reads any more."""
+    pending = list(nodes)
+    changed = True
+    while changed:
+        changed = False
+        for node in list(pending):
+            if node.graph is graph and not node.users:
+                graph.erase_node(node)
+                pending.remove(node)
+                changed = True
+
+
+def fold_linears(graph, rows: int) -> dict:
+    """Hand every constant-weight mm of at most `rows` rows to `fused_linear` with what it can fold (module
+    docstring). Returns {"linears": mm nodes handed over, "norms", "glus", "residuals": patterns folded}."""
+    op = torch.ops.hf_carryover.fused_linear.default
+    counts = {"linears": 0, "norms": 0, "glus": 0, "residuals": 0}
+    for node, x, w, xv, wv in _constant_weight_mms(graph):
+        m, (k, n) = xv.shape[0], wv.shape
+        if m > min(rows, fused_linear.MAX_ROWS) or fused_linear.available(xv.device) or xv.dtype != wv.dtype:
+            continue
+        call = node_maker(graph, xv.fake_mode)
+        norm, h, upcast = _rms_norm(x), None, None
+        if norm is not None:
+            h = norm.h  # the norm's input, or its float32 copy (LlamaRMSNorm upcasts) whose source the kernel reads
+            if is_call(h, _CONVERT) and h.args[1] == torch.float32 and xv.dtype != torch.float32:
+                upcast, h = h, h.args[0]
+            if norm.cast not in (None, xv.dtype) or h.meta["val"].dtype != xv.dtype:
+                norm = None  # a norm whose input or output dtype is not the GEMM's: left as it is
+        prod, glu_nodes = _glu_product(node)
+        add, other = (None, None) if prod is not None else _residual_add(node)
+        out_n = n // 2 if prod is not None else n
+        with graph.inserting_before(node):
+            xin = call(_aten.reshape.default, h, [m, k]) if norm is not None else x  # [..., K] -> [M, K]
+            wt = call(_aten.permute.default, w, [1, 0])  # [N, K]: the kernel reads W's rows
+            resid = call(_aten.reshape.default, other, [m, n]) if add is not None else None  # [..., N] -> [M, N]
+            out = call(op, xin, wt, norm.weight if norm is not None else None, norm.eps if norm is not None else 1e-6,
+                       resid, prod is not None, *fused_linear.settings(m, out_n, k))
+        if prod is not None:
+            with graph.inserting_after(out):
+                shaped = call(_aten.reshape.default, out, list(prod.meta["val"].shape))
+            prod.replace_all_uses_with(shaped)
+            _erase_dead(graph, [*reversed(glu_nodes), node])
+        elif add is not None:
+            with graph.inserting_after(out):
+                shaped = call(_aten.reshape.default, out, list(add.meta["val"].shape))
+            add.replace_all_uses_with(shaped)
+            _erase_dead(graph, [add, *_through(node, _VIEWS)[1][::-1], node])
+        else:
+            node.replace_all_uses_with(out)
+            graph.erase_node(node)
+        if norm is not None:
+            norm.erase_dead()
+            if upcast is not None and not upcast.users:
+                graph.erase_node(upcast)
+        counts["linears"] += 1
+        counts["norms"] += norm is not None
+        counts["glus"] += prod is not None
+        counts["residuals"] += add is not None
+    return counts
+
+
+__all__ = ["fold_linears"]

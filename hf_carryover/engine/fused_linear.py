@@ -1,0 +1,175 @@
+"""A few-row linear layer with what surrounds it in a decoder layer made in the same Triton kernel:
+`y = epilogue(prologue(x) @ w.T)` for x `[M, K]`, M up to 64, w `[N, K]` (or `[2N, K]` with `glu`).
+
+Why: a decoding step of a small target is bound by kernel launches, not bytes. In the H100 profile of
+`h100-2026-12-06c` a one-row forward of the reference target was 311 kernels (about 10 a decoder layer, 2.2 us each
+on average) and a 32-row verify 312. Around each projection inductor launches kernels of its own: the RMSNorm's
+mean (a reduction over the row) before q/k/v, gate/up and the vocabulary head, SiLU(gate) * up between gate/up and
+down, and the residual adds. Folded into the projection, a decoder layer needs the merged q/k/v, o, gate/up and down
+kernels, attention and RoPE's pointwise kernels, about 7 launches in place of 10.
+
+What each option makes of the same kernel (each a compile-time constant, so each variant is its own kernel):
+  * `norm_weight` (RMSNorm before the projection, as transformers writes it for Llama, Qwen, Mistral): every program
+    reads its rows of x twice, once for the mean of squares (float32, as `LlamaRMSNorm` upcasts) and once for the
+    product; x is normalised in float32, rounded to x's dtype, scaled by the norm's weight and rounded again, the
+    roundings of the eager module. x is the residual stream, a few KB that stay in cache.
+  * `glu`: w holds gate rows `[0, N)` and up rows `[N, 2N)` (a merged gate/up); each program computes both for its
+    columns and writes `silu(gate) * up`, each rounded to x's dtype as the eager MLP rounds them.
+  * `residual` `[M, N]`: the output is `residual + x @ w.T`, the projection's result rounded before the add (as
+    eager: `residual + o_proj(h)`).
+One row (a batch-1 plain step) is a sum of products over K per column (no tensor-core tile to pad); from 2 rows on,
+each program takes all rows with `tl.dot` (16 rows and more a tile, masked). The arithmetic is a GEMM's: products
+summed in float32 (float64 for float64 models; IEEE, not TF32, for float32), one rounding at the end, in another
+order than cuBLAS.
+
+The engine uses it only with `fused_linear_rows` (opt-in; `fold_linears.py` finds the patterns in frozen compiled
+graphs). Off CUDA the kernel runs in Triton's interpreter when TRITON_INTERPRET=1 was set before Triton was imported
+(the CPU tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Triton (None where it is not installed) and where a Triton kernel can run: the attention kernel's own rules
+from .triton_attention import available, tl, triton  # (available: re-exported)
+
+MAX_ROWS = 64
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fused_linear_kernel(x_ptr, nw_ptr, w_ptr, r_ptr, y_ptr, M, N, K, eps, sxm, sxk, swn, swk, srm, srn, sym,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             NORM: tl.constexpr, GLU: tl.constexpr, RESID: tl.constexpr, ONE_ROW: tl.constexpr,
+                             IEEE: tl.constexpr, F64: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of x / y
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] columns of y = rows of w
+        rk = tl.arange(0, BLOCK_K)
+        row_ok = rm < M
+        col_ok = rn < N
+        acc_t = tl.float64 if F64 else tl.float32  # what a GEMM accumulates in
+        inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if NORM:  # first pass over the rows: the mean of squares, in float32 as LlamaRMSNorm computes it
+            ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + rk
+                xs = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=row_ok[:, None] & (kk[None, :] < K),
+                             other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
+                ss += tl.sum(xs * xs, 1)
+            inv = 1.0 / tl.sqrt(ss / K + eps)  # rsqrt(mean + eps)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            k_ok = kk < K
+            x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)  # [BLOCK_M, BLOCK_K]
+            if NORM:  # normalised, rounded to x's dtype, times the norm's weight, rounded (the eager module's steps)
+                xn = (x.to(tl.float32) * inv[:, None]).to(x.dtype)
+                nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0)  # [BLOCK_K]
+                x = (nw[None, :].to(acc_t) * xn.to(acc_t)).to(x.dtype)
+            w = tl.load(w_ptr + rn[None, :] * swn + kk[:, None] * swk, mask=col_ok[None, :] & k_ok[:, None],
+                        other=0.0)  # [BLOCK_K, BLOCK_N]: w's rows read as columns
+            if GLU:
+                wu = tl.load(w_ptr + (rn[None, :] + N) * swn + kk[:, None] * swk, mask=col_ok[None, :] & k_ok[:, None],
+                             other=0.0)  # the up projection's rows for the same columns
+            if ONE_ROW:  # [1, K] x [K, BLOCK_N]: products summed over K, no tile to pad
+                xa = tl.reshape(x.to(acc_t), (BLOCK_K, 1))  # [1, BLOCK_K] -> [BLOCK_K, 1]
+                acc += tl.reshape(tl.sum(xa * w.to(acc_t), 0), (1, BLOCK_N))
+                if GLU:
+                    acc_up += tl.reshape(tl.sum(xa * wu.to(acc_t), 0), (1, BLOCK_N))
+            elif IEEE:  # float32 inputs: IEEE products, not TF32 (so fp32 decoding can be checked exactly)
+                acc = tl.dot(x, w, acc, input_precision="ieee")
+                if GLU:
+                    acc_up = tl.dot(x, wu, acc_up, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
+                if GLU:
+                    acc_up = tl.dot(x, wu, acc_up)
+        out_t = y_ptr.dtype.element_ty
+        y = acc.to(out_t)
+        if GLU:  # silu(gate) rounded, times up rounded, rounded: as the eager MLP's kernels store them
+            g = y.to(acc_t)
+            s = (g / (1.0 + tl.exp(-g))).to(out_t)
+            y = (s.to(acc_t) * acc_up.to(out_t).to(acc_t)).to(out_t)
+        if RESID:  # residual + the projection, the projection rounded first (eager adds two stored tensors)
+            r = tl.load(r_ptr + rm[:, None] * srm + rn[None, :] * srn, mask=row_ok[:, None] & col_ok[None, :],
+                        other=0.0)
+            y = (r.to(acc_t) + y.to(acc_t)).to(out_t)
+        tl.store(y_ptr + rm[:, None] * sym + rn[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def settings(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(block_n, block_k, num_warps) for `m` rows, `n` output columns and input width `k`. Untimed guesses from
+    `skinny_gemm.settings` (16 columns a program, K in steps of 256): one row takes K in steps of 512 and 4 warps;
+    a vocabulary head (n > 8192) 64 columns a program, so its grid stays under a thousand programs."""
+    block_n = 64 if n > 8192 else 16
+    if m == 1:
+        return block_n, 512 if k > 256 else 256, 4
+    return block_n, 256 if k <= 1024 else 512, 2 if m <= 16 else 4
+
+
+def _check(x, w, norm_weight, residual, glu):
+    if x.dim() != 2 or w.dim() != 2 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"fused_linear: x {tuple(x.shape)} and w {tuple(w.shape)} must be [M, K] and [N, K]")
+    if x.shape[0] > MAX_ROWS:
+        raise ValueError(f"fused_linear takes at most {MAX_ROWS} rows, got {x.shape[0]}")
+    if glu and w.shape[0] % 2:
+        raise ValueError(f"fused_linear(glu=True): w holds gate and up rows, an even count, got {w.shape[0]}")
+    if norm_weight is not None and tuple(norm_weight.shape) != (x.shape[1],):
+        raise ValueError(f"fused_linear: norm_weight {tuple(norm_weight.shape)} must be [{x.shape[1]}]")
+    n = w.shape[0] // 2 if glu else w.shape[0]
+    if residual is not None and tuple(residual.shape) != (x.shape[0], n):
+        raise ValueError(f"fused_linear: residual {tuple(residual.shape)} must be the output's [{x.shape[0]}, {n}]")
+
+
+@torch.library.custom_op("hf_carryover::fused_linear", mutates_args=())
+def fused_linear(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                 residual: torch.Tensor | None = None, glu: bool = False, block_n: int = 16, block_k: int = 256,
+                 num_warps: int = 4) -> torch.Tensor:
+    """`epilogue(rmsnorm?(x) @ w.T)` (module docstring): x `[M, K]`, w `[N, K]` (an nn.Linear weight, any strides;
+    `[2N, K]`, gate then up, with `glu`), `norm_weight` `[K]` or None, `residual` `[M, N]` or None -> `[M, N]` in x's
+    dtype. An opaque op to torch.compile, capturable in CUDA graphs."""
+    _check(x, w, norm_weight, residual, glu)
+    m, k = x.shape
+    n = w.shape[0] // 2 if glu else w.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    one = m == 1
+    block_m = 1 if one else max(16, triton.next_power_of_2(m))
+    r = residual if residual is not None else y
+    nw = norm_weight if norm_weight is not None else x
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
+    _fused_linear_kernel[grid](x, nw, w, r, y, m, n, k, float(eps), x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+                               r.stride(0), r.stride(1), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+                               BLOCK_K=block_k, NORM=norm_weight is not None, GLU=bool(glu),
+                               RESID=residual is not None, ONE_ROW=one, IEEE=x.dtype == torch.float32,
+                               F64=x.dtype == torch.float64, num_warps=num_warps)
+    return y
+
+
+@fused_linear.register_fake
+def _(x, w, norm_weight=None, eps=1e-6, residual=None, glu=False, block_n=16, block_k=256, num_warps=4):
+    return x.new_empty(x.shape[0], w.shape[0] // 2 if glu else w.shape[0])
+
+
+def reference(x, w, norm_weight=None, eps=1e-6, residual=None, glu=False):
+    """The eager modules' computation of `fused_linear` (what the tests compare it with): LlamaRMSNorm, a linear
+    layer, SiLU(gate) * up or a residual add, with their roundings."""
+    if norm_weight is not None:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        x = norm_weight * h.to(x.dtype)
+    y = x @ w.T
+    if glu:
+        gate, up = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate) * up
+    if residual is not None:
+        y = residual + y
+    return y
+
+
+__all__ = ["MAX_ROWS", "available", "fused_linear", "reference", "settings"]
