@@ -18,6 +18,8 @@ Everything else the mm feeds stays as it was. A graph with none of the patterns 
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from . import fused_linear
@@ -64,13 +66,37 @@ def _silu_of(node):
     return None, None
 
 
+def _halves(mm):
+    """(gate, up, nodes) when `mm`'s output is read only as two equal column halves: two slices (the engine's own
+    merge, `fuse_projections.py`) or one `split` / `split_with_sizes` and its two items (inductor's freezing merge of
+    equal-shape weights, gate/up on CUDA); else None."""
+    pieces = _equal_slices(mm)
+    if pieces is not None and len(pieces) == 2:
+        (gate, _, _), (up, _, _) = sorted(pieces, key=lambda p: p[1])
+        return gate, up, []
+    if len(mm.users) != 1:
+        return None
+    split = next(iter(mm.users))
+    width = mm.meta["val"].shape[1]
+    if not (is_call(split, _aten.split_with_sizes.default, _aten.split.Tensor) and split.args[0] is mm
+            and len(split.args) == 3 and not split.kwargs and split.args[2] in (1, -1)):
+        return None
+    sizes = split.args[1]
+    if not (sizes == [width // 2] * 2 or sizes == width // 2) or width % 2:
+        return None
+    items = {u.args[1]: u for u in split.users if u.target is operator.getitem}
+    if len(items) != 2 or len(split.users) != 2 or set(items) != {0, 1}:
+        return None
+    return items[0], items[1], [split]
+
+
 def _glu_product(mm):
     """The node `silu(gate) * up` when `mm`'s output is read only as gate and up halves (a merged gate/up), with the
     nodes between them, or (None, None)."""
-    pieces = _equal_slices(mm)
-    if pieces is None or len(pieces) != 2:
+    halves = _halves(mm)
+    if halves is None:
         return None, None
-    (gate, _, _), (up, _, _) = sorted(pieces, key=lambda p: p[1])
+    gate, up, split = halves
     g, g_chain = _through(gate, (*_VIEWS, _CONVERT))
     u, u_chain = _through(up, (*_VIEWS, _CONVERT))
     silu, silu_chain = _silu_of(g)
@@ -81,7 +107,7 @@ def _glu_product(mm):
         return None, None
     if prod.meta["val"].dtype != mm.meta["val"].dtype:
         return None, None
-    return prod, [gate, up, *g_chain, *u_chain, *silu_chain, prod]
+    return prod, [*split, gate, up, *g_chain, *u_chain, *silu_chain, prod]
 
 
 def _residual_add(mm):
@@ -99,6 +125,25 @@ def _residual_add(mm):
     if ov.shape != vv.shape or ov.dtype != vv.dtype or add.meta["val"].shape != vv.shape:
         return None, None
     return add, other
+
+
+def _rows_of(graph, w, fake_mode):
+    """A constant holding the weight `w` [K, N] as `[N, K]` rows with K contiguous (what the kernel reads in whole
+    rows): the stored rows themselves where w is a transposed view of an nn.Linear weight, else a transposed copy made
+    once at compile time (inductor's freezing merge concatenates gate/up as `[K, 2N]` with N contiguous)."""
+    gm = graph.owning_module
+    value = getattr(gm, w.target).t()  # [N, K]
+    if value.stride(1) == 1:
+        node = graph.call_function(_aten.permute.default, (w, [1, 0]))
+        with fake_mode:
+            node.meta["val"] = _aten.permute.default(w.meta["val"], [1, 0])
+        return node
+    name = f"_rows_{w.target}"
+    if not hasattr(gm, name):
+        gm.register_buffer(name, value.contiguous())
+    node = graph.get_attr(name)
+    node.meta["val"] = fake_mode.from_tensor(getattr(gm, name), static_shapes=True)
+    return node
 
 
 def _erase_dead(graph, nodes) -> None:
@@ -136,7 +181,7 @@ def fold_linears(graph, rows: int) -> dict:
         out_n = n // 2 if prod is not None else n
         with graph.inserting_before(node):
             xin = call(_aten.reshape.default, h, [m, k]) if norm is not None else x  # [..., K] -> [M, K]
-            wt = call(_aten.permute.default, w, [1, 0])  # [N, K]: the kernel reads W's rows
+            wt = _rows_of(graph, w, xv.fake_mode)  # [N, K], K contiguous: the kernel reads W's rows
             resid = call(_aten.reshape.default, other, [m, n]) if add is not None else None  # [..., N] -> [M, N]
             out = call(op, xin, wt, norm.weight if norm is not None else None, norm.eps if norm is not None else 1e-6,
                        resid, prod is not None, *fused_linear.settings(m, out_n, k))
@@ -157,6 +202,11 @@ def fold_linears(graph, rows: int) -> dict:
             norm.erase_dead()
             if upcast is not None and not upcast.users:
                 graph.erase_node(upcast)
+        if not w.users:  # a weight copied into rows (`_rows_of`): the [K, N] constant is dead, free its memory
+            graph.erase_node(w)
+            if hasattr(graph.owning_module, w.target) and not any(
+                    n.op == "get_attr" and n.target == w.target for n in graph.nodes):
+                delattr(graph.owning_module, w.target)
         counts["linears"] += 1
         counts["norms"] += norm is not None
         counts["glus"] += prod is not None

@@ -17,8 +17,9 @@ What each option makes of the same kernel (each a compile-time constant, so each
     columns and writes `silu(gate) * up`, each rounded to x's dtype as the eager MLP rounds them.
   * `residual` `[M, N]`: the output is `residual + x @ w.T`, the projection's result rounded before the add (as
     eager: `residual + o_proj(h)`).
-One row (a batch-1 plain step) is a sum of products over K per column (no tensor-core tile to pad); from 2 rows on,
-each program takes all rows with `tl.dot` (16 rows and more a tile, masked). The arithmetic is a GEMM's: products
+One row (a batch-1 plain step) is a sum of products over K per column, every load of a program issued at once (no
+tensor-core tile to pad, no loop); from 2 rows on, each program takes all rows with `tl.dot` (a tile of 16 rows and
+more, masked). The arithmetic is a GEMM's: products
 summed in float32 (float64 for float64 models; IEEE, not TF32, for float32), one rounding at the end, in another
 order than cuBLAS.
 
@@ -40,10 +41,48 @@ MAX_ROWS = 64
 if triton is not None:
 
     @triton.jit
-    def _fused_linear_kernel(x_ptr, nw_ptr, w_ptr, r_ptr, y_ptr, M, N, K, eps, sxm, sxk, swn, swk, srm, srn, sym,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             NORM: tl.constexpr, GLU: tl.constexpr, RESID: tl.constexpr, ONE_ROW: tl.constexpr,
-                             IEEE: tl.constexpr, F64: tl.constexpr):
+    def _one_row_kernel(x_ptr, nw_ptr, w_ptr, r_ptr, y_ptr, N, eps, sxk, swn, swk, srn,
+                        K: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr,
+                        GLU: tl.constexpr, RESID: tl.constexpr, F64: tl.constexpr):
+        """One row: each program loads its `BLOCK_N` rows of w whole (`[BLOCK_N, KP]`, K padded to a power of two)
+        and the row of x whole, so every load is issued at once: one memory latency, no loop."""
+        pid = tl.program_id(0)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] columns of y = rows of w
+        rk = tl.arange(0, KP)
+        col_ok = rn < N
+        k_ok = rk < K
+        acc_t = tl.float64 if F64 else tl.float32  # what a GEMM accumulates in
+        wmask = col_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_ptr + rn[:, None] * swn + rk[None, :] * swk, mask=wmask, other=0.0)  # [BLOCK_N, KP]
+        if GLU:  # the up projection's rows for the same columns
+            wu = tl.load(w_ptr + (rn[:, None] + N) * swn + rk[None, :] * swk, mask=wmask, other=0.0)
+        x = tl.load(x_ptr + rk * sxk, mask=k_ok, other=0.0)  # [KP]
+        if NORM:  # LlamaRMSNorm: float32 mean of squares, normalised and rounded, times the weight and rounded
+            xf = x.to(tl.float32)
+            inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / K + eps)
+            nw = tl.load(nw_ptr + rk, mask=k_ok, other=0.0)
+            x = (nw.to(acc_t) * (xf * inv).to(x.dtype).to(acc_t)).to(x.dtype)
+        xa = x.to(acc_t)[None, :]
+        acc = tl.sum(w.to(acc_t) * xa, 1)  # [BLOCK_N]
+        out_t = y_ptr.dtype.element_ty
+        y = acc.to(out_t)
+        if GLU:  # silu(gate) rounded, times up rounded, rounded: as the eager MLP's kernels store them
+            g = y.to(acc_t)
+            s = (g / (1.0 + tl.exp(-g))).to(out_t)
+            y = (s.to(acc_t) * tl.sum(wu.to(acc_t) * xa, 1).to(out_t).to(acc_t)).to(out_t)
+        if RESID:  # residual + the projection, the projection rounded first (eager adds two stored tensors)
+            r = tl.load(r_ptr + rn * srn, mask=col_ok, other=0.0)
+            y = (r.to(acc_t) + y.to(acc_t)).to(out_t)
+        tl.store(y_ptr + rn, y, mask=col_ok)
+
+    @triton.jit
+    def _rows_kernel(x_ptr, nw_ptr, w_ptr, r_ptr, y_ptr, M, N, eps, sxm, sxk, swn, swk, srm, srn, sym,
+                     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     STAGES: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, RESID: tl.constexpr,
+                     IEEE: tl.constexpr, F64: tl.constexpr):
+        """2-64 rows: each program takes all rows (a `BLOCK_M` tile of at least 16, masked) for `BLOCK_N` columns
+        with `tl.dot`, K in pipelined steps (`skinny_gemm.py`'s layout); the norm's mean of squares first, its
+        loads unrolled so they are issued together."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of x / y
@@ -51,11 +90,11 @@ if triton is not None:
         rk = tl.arange(0, BLOCK_K)
         row_ok = rm < M
         col_ok = rn < N
-        acc_t = tl.float64 if F64 else tl.float32  # what a GEMM accumulates in
+        acc_t = tl.float64 if F64 else tl.float32
         inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        if NORM:  # first pass over the rows: the mean of squares, in float32 as LlamaRMSNorm computes it
+        if NORM:
             ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in tl.static_range(0, K, BLOCK_K):
                 kk = k0 + rk
                 xs = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=row_ok[:, None] & (kk[None, :] < K),
                              other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
@@ -63,40 +102,35 @@ if triton is not None:
             inv = 1.0 / tl.sqrt(ss / K + eps)  # rsqrt(mean + eps)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             kk = k0 + rk
             k_ok = kk < K
             x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0)  # [BLOCK_M, BLOCK_K]
-            if NORM:  # normalised, rounded to x's dtype, times the norm's weight, rounded (the eager module's steps)
+            if NORM:
                 xn = (x.to(tl.float32) * inv[:, None]).to(x.dtype)
                 nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0)  # [BLOCK_K]
                 x = (nw[None, :].to(acc_t) * xn.to(acc_t)).to(x.dtype)
             w = tl.load(w_ptr + rn[None, :] * swn + kk[:, None] * swk, mask=col_ok[None, :] & k_ok[:, None],
                         other=0.0)  # [BLOCK_K, BLOCK_N]: w's rows read as columns
-            if GLU:
-                wu = tl.load(w_ptr + (rn[None, :] + N) * swn + kk[:, None] * swk, mask=col_ok[None, :] & k_ok[:, None],
-                             other=0.0)  # the up projection's rows for the same columns
-            if ONE_ROW:  # [1, K] x [K, BLOCK_N]: products summed over K, no tile to pad
-                xa = tl.reshape(x.to(acc_t), (BLOCK_K, 1))  # [1, BLOCK_K] -> [BLOCK_K, 1]
-                acc += tl.reshape(tl.sum(xa * w.to(acc_t), 0), (1, BLOCK_N))
-                if GLU:
-                    acc_up += tl.reshape(tl.sum(xa * wu.to(acc_t), 0), (1, BLOCK_N))
-            elif IEEE:  # float32 inputs: IEEE products, not TF32 (so fp32 decoding can be checked exactly)
+            if IEEE:  # float32 inputs: IEEE products, not TF32 (so fp32 decoding can be checked exactly)
                 acc = tl.dot(x, w, acc, input_precision="ieee")
-                if GLU:
-                    acc_up = tl.dot(x, wu, acc_up, input_precision="ieee")
             else:
                 acc = tl.dot(x, w, acc)
-                if GLU:
+            if GLU:
+                wu = tl.load(w_ptr + (rn[None, :] + N) * swn + kk[:, None] * swk,
+                             mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+                if IEEE:
+                    acc_up = tl.dot(x, wu, acc_up, input_precision="ieee")
+                else:
                     acc_up = tl.dot(x, wu, acc_up)
         out_t = y_ptr.dtype.element_ty
         y = acc.to(out_t)
-        if GLU:  # silu(gate) rounded, times up rounded, rounded: as the eager MLP's kernels store them
+        if GLU:
             g = y.to(acc_t)
             s = (g / (1.0 + tl.exp(-g))).to(out_t)
             y = (s.to(acc_t) * acc_up.to(out_t).to(acc_t)).to(out_t)
-        if RESID:  # residual + the projection, the projection rounded first (eager adds two stored tensors)
+        if RESID:
             r = tl.load(r_ptr + rm[:, None] * srm + rn[None, :] * srn, mask=row_ok[:, None] & col_ok[None, :],
                         other=0.0)
             y = (r.to(acc_t) + y.to(acc_t)).to(out_t)
@@ -104,13 +138,12 @@ if triton is not None:
 
 
 def settings(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """(block_n, block_k, num_warps) for `m` rows, `n` output columns and input width `k`. Untimed guesses from
-    `skinny_gemm.settings` (16 columns a program, K in steps of 256): one row takes K in steps of 512 and 4 warps;
-    a vocabulary head (n > 8192) 64 columns a program, so its grid stays under a thousand programs."""
-    block_n = 64 if n > 8192 else 16
+    """(block_n, block_k, num_warps) for `m` rows, `n` output columns and input width `k`. One row: 8 columns a
+    program (block_k unused: K is loaded whole), 8 warps from K = 2048 padded. More rows: `skinny_gemm.settings`
+    (16 columns, K in steps of 256, 512 from K = 1536; 2 warps up to 16 rows, 4 above). Untimed on this kernel."""
     if m == 1:
-        return block_n, 512 if k > 256 else 256, 4
-    return block_n, 256 if k <= 1024 else 512, 2 if m <= 16 else 4
+        return 8, 0, 8 if triton.next_power_of_2(k) >= 2048 else 4
+    return 16, 256 if k <= 1024 else 512, 2 if m <= 16 else 4
 
 
 def _check(x, w, norm_weight, residual, glu):
@@ -138,16 +171,20 @@ def fused_linear(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | N
     m, k = x.shape
     n = w.shape[0] // 2 if glu else w.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    one = m == 1
-    block_m = 1 if one else max(16, triton.next_power_of_2(m))
     r = residual if residual is not None else y
     nw = norm_weight if norm_weight is not None else x
+    flags = dict(NORM=norm_weight is not None, GLU=bool(glu), RESID=residual is not None,
+                 F64=x.dtype == torch.float64, num_warps=num_warps)
+    if m == 1:
+        _one_row_kernel[(triton.cdiv(n, block_n),)](x, nw, w, r, y, n, float(eps), x.stride(1), w.stride(0),
+                                                    w.stride(1), r.stride(1), K=k, KP=triton.next_power_of_2(k),
+                                                    BLOCK_N=block_n, **flags)
+        return y
+    block_m = max(16, triton.next_power_of_2(m))
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-    _fused_linear_kernel[grid](x, nw, w, r, y, m, n, k, float(eps), x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-                               r.stride(0), r.stride(1), y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
-                               BLOCK_K=block_k, NORM=norm_weight is not None, GLU=bool(glu),
-                               RESID=residual is not None, ONE_ROW=one, IEEE=x.dtype == torch.float32,
-                               F64=x.dtype == torch.float64, num_warps=num_warps)
+    _rows_kernel[grid](x, nw, w, r, y, m, n, float(eps), x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+                       r.stride(0), r.stride(1), y.stride(0), K=k, BLOCK_M=block_m, BLOCK_N=block_n,
+                       BLOCK_K=block_k, STAGES=3, IEEE=x.dtype == torch.float32, **flags)
     return y
 
 

@@ -1,0 +1,89 @@
+"""`hf_carryover.engine.fused_linear` at the reference target's projections, per kernel setting, inside CUDA graphs.
+
+Why: the kernel's settings (`fused_linear.settings`) were guesses; a decoding step is launch- and latency-bound, so
+which column width and warp count keep a few-row projection near its fixed cost is a question for the GPU. Each
+timing is a CUDA graph of `--layers` calls of one shape, each with its own weight (streamed from memory, as in a
+forward), replayed back to back (`gemm_bench.graph_us`): per-call time with launch gaps, as in a captured round.
+cuBLAS's bare GEMM of the same shape is timed beside it (`cublas_mm_us`: without the norm, SiLU * up or add).
+
+    python examples/fused_linear_bench.py --rows 1 8 32 --out fused_linear_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# (name, N, K, norm, glu, residual): a decoder layer's four projections as the engine folds them, and the head
+SHAPES = [("qkv", 960, 576, True, False, False), ("o", 576, 576, False, False, True),
+          ("gate_up", 1536, 576, True, True, False), ("down", 576, 1536, False, False, True),
+          ("head", 49152, 576, True, False, False)]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--shapes", nargs="+", default=[s[0] for s in SHAPES], choices=[s[0] for s in SHAPES])
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--replays", type=int, default=50)
+    p.add_argument("--block_n", nargs="+", type=int, default=[4, 8, 16, 32])
+    p.add_argument("--block_k", nargs="+", type=int, default=[128, 256])
+    p.add_argument("--warps", nargs="+", type=int, default=[2, 4, 8])
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("fused_linear_bench.py times CUDA graphs: it needs a GPU")
+    from evaluate_tau import environment
+    from gemm_bench import graph_us
+
+    from hf_carryover.engine.fused_linear import fused_linear, reference, settings
+
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    record = {"command": " ".join(sys.argv), "env": environment(), "shapes": {}}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for m in args.rows:
+        for name, n, k, norm, glu, resid in (s for s in SHAPES if s[0] in args.shapes):
+            layers = 1 if name == "head" else args.layers  # one head a forward (56 MB of weight)
+            ws = [torch.randn(2 * n if glu else n, k, device=dev, dtype=dt) / k ** 0.5 for _ in range(layers)]
+            x = torch.randn(m, k, device=dev, dtype=dt)
+            nw = (1 + 0.1 * torch.randn(k, device=dev)).to(dt) if norm else None
+            r = torch.randn(m, n, device=dev, dtype=dt) if resid else None
+            ref = reference(x, ws[0], nw, 1e-5, r, glu).float()
+            wts = [w.T.contiguous() for w in ws]  # [K, N], as inductor's frozen weights feed extern mm
+            row = {"N": n, "K": k, "M": m, "norm": norm, "glu": glu, "residual": resid,
+                   "default": settings(m, n, k),
+                   "cublas_mm_us": graph_us([lambda w=w: torch.mm(x, w) for w in wts], args.replays)}
+            block_ks = [0] if m == 1 else args.block_k  # one row loads K whole
+            tried = []
+            for bn, bk, nwp in itertools.product(args.block_n, block_ks, args.warps):
+                try:
+                    err = (fused_linear(x, ws[0], nw, 1e-5, r, glu, bn, bk, nwp).float() - ref).abs().max().item()
+                    us = graph_us([lambda w=w: fused_linear(x, w, nw, 1e-5, r, glu, bn, bk, nwp) for w in ws],
+                                  args.replays)
+                except Exception as e:  # noqa: BLE001  (a setting Triton cannot build: recorded, the rest run)
+                    tried.append({"block_n": bn, "block_k": bk, "warps": nwp, "error": f"{type(e).__name__}: {e}"[:200]})
+                    continue
+                tried.append({"block_n": bn, "block_k": bk, "warps": nwp, "us": us, "max_err": err})
+            ok = sorted((t for t in tried if "us" in t), key=lambda t: t["us"])
+            row["best"] = ok[0] if ok else None
+            row["tried"] = tried
+            if ok:
+                print(f"M={m} {name} [{n}x{k}]: cuBLAS mm {row['cublas_mm_us']:.2f} us, fused {ok[0]['us']:.2f} us "
+                      f"({ok[0]['block_n']}/{ok[0]['block_k']}/{ok[0]['warps']}w, err {ok[0]['max_err']:.3g})",
+                      flush=True)
+            record["shapes"][f"{name}@{m}"] = row
+            out.write_text(json.dumps(record, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
