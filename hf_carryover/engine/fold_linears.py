@@ -91,23 +91,26 @@ def _halves(mm):
 
 
 def _glu_product(mm):
-    """The node `silu(gate) * up` when `mm`'s output is read only as gate and up halves (a merged gate/up), with the
-    nodes between them, or (None, None)."""
+    """(`silu(gate) * up`, the nodes between it and `mm`, whether up is the first half) when `mm`'s output is read
+    only as gate and up halves (a merged gate/up), else (None, None, False)."""
     halves = _halves(mm)
     if halves is None:
-        return None, None
-    gate, up, split = halves
-    g, g_chain = _through(gate, (*_VIEWS, _CONVERT))
-    u, u_chain = _through(up, (*_VIEWS, _CONVERT))
-    silu, silu_chain = _silu_of(g)
+        return None, None, False
+    first, second, split = halves
+    for gate, up, swapped in ((first, second, False), (second, first, True)):  # inductor's merge may put up first
+        g, g_chain = _through(gate, (*_VIEWS, _CONVERT))
+        u, u_chain = _through(up, (*_VIEWS, _CONVERT))
+        silu, silu_chain = _silu_of(g)
+        if silu is not None:
+            break
     if silu is None or len(silu.users) != 1:
-        return None, None
+        return None, None, False
     prod = next(iter(silu.users))
     if not (is_call(prod, _aten.mul.Tensor) and set(prod.args) == {silu, u} and len(u.users) == 1):
-        return None, None
+        return None, None, False
     if prod.meta["val"].dtype != mm.meta["val"].dtype:
-        return None, None
-    return prod, [*split, gate, up, *g_chain, *u_chain, *silu_chain, prod]
+        return None, None, False
+    return prod, [*split, gate, up, *g_chain, *u_chain, *silu_chain, prod], swapped
 
 
 def _residual_add(mm):
@@ -127,18 +130,22 @@ def _residual_add(mm):
     return add, other
 
 
-def _rows_of(graph, w, fake_mode):
+def _rows_of(graph, w, fake_mode, swap_halves=False):
     """A constant holding the weight `w` [K, N] as `[N, K]` rows with K contiguous (what the kernel reads in whole
     rows): the stored rows themselves where w is a transposed view of an nn.Linear weight, else a transposed copy made
-    once at compile time (inductor's freezing merge concatenates gate/up as `[K, 2N]` with N contiguous)."""
+    once at compile time (inductor's freezing merge concatenates gate/up as `[K, 2N]` with N contiguous). With
+    `swap_halves` the copy has its two halves of rows swapped (a merged up/gate becomes gate/up, the kernel's order)."""
     gm = graph.owning_module
     value = getattr(gm, w.target).t()  # [N, K]
-    if value.stride(1) == 1:
+    if swap_halves:
+        half = value.shape[0] // 2
+        value = torch.cat([value[half:], value[:half]])  # [N, K], contiguous
+    if value.stride(1) == 1 and not swap_halves:
         node = graph.call_function(_aten.permute.default, (w, [1, 0]))
         with fake_mode:
             node.meta["val"] = _aten.permute.default(w.meta["val"], [1, 0])
         return node
-    name = f"_rows_{w.target}"
+    name = f"_rows_{w.target}" + "_swapped" * swap_halves
     if not hasattr(gm, name):
         gm.register_buffer(name, value.contiguous())
     node = graph.get_attr(name)
@@ -176,12 +183,12 @@ def fold_linears(graph, rows: int) -> dict:
                 upcast, h = h, h.args[0]
             if norm.cast not in (None, xv.dtype) or h.meta["val"].dtype != xv.dtype:
                 norm = None  # a norm whose input or output dtype is not the GEMM's: left as it is
-        prod, glu_nodes = _glu_product(node)
+        prod, glu_nodes, up_first = _glu_product(node)
         add, other = (None, None) if prod is not None else _residual_add(node)
         out_n = n // 2 if prod is not None else n
         with graph.inserting_before(node):
             xin = call(_aten.reshape.default, h, [m, k]) if norm is not None else x  # [..., K] -> [M, K]
-            wt = _rows_of(graph, w, xv.fake_mode)  # [N, K], K contiguous: the kernel reads W's rows
+            wt = _rows_of(graph, w, xv.fake_mode, up_first)  # [N, K], K contiguous: the kernel reads W's rows
             resid = call(_aten.reshape.default, other, [m, n]) if add is not None else None  # [..., N] -> [M, N]
             out = call(op, xin, wt, norm.weight if norm is not None else None, norm.eps if norm is not None else 1e-6,
                        resid, prod is not None, *fused_linear.settings(m, out_n, k))
