@@ -60,7 +60,7 @@ def main():
             ref = reference(x, ws[0], nw, 1e-5, r, glu).float()
             wts = [w.T.contiguous() for w in ws]  # [K, N], as inductor's frozen weights feed extern mm
             row = {"N": n, "K": k, "M": m, "norm": norm, "glu": glu, "residual": resid,
-                   "default": settings(m, n, k),
+                   "default": settings(m, n, k, glu),
                    "cublas_mm_us": graph_us([lambda w=w: torch.mm(x, w) for w in wts], args.replays)}
             block_ks = [0] if m == 1 else args.block_k  # one row loads K whole
             tried = []
@@ -70,7 +70,8 @@ def main():
                     us = graph_us([lambda w=w: fused_linear(x, w, nw, 1e-5, r, glu, bn, bk, nwp) for w in ws],
                                   args.replays)
                 except Exception as e:  # noqa: BLE001  (a setting Triton cannot build: recorded, the rest run)
-                    tried.append({"block_n": bn, "block_k": bk, "warps": nwp, "error": f"{type(e).__name__}: {e}"[:200]})
+                    tried.append({"block_n": bn, "block_k": bk, "warps": nwp,
+                                  "error": f"{type(e).__name__}: {e}"[:200]})
                     continue
                 tried.append({"block_n": bn, "block_k": bk, "warps": nwp, "us": us, "max_err": err})
             ok = sorted((t for t in tried if "us" in t), key=lambda t: t["us"])

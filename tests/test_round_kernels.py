@@ -182,3 +182,111 @@ def test_engines_with_the_round_kernels_equal_plain_greedy():
     assert "skinny_rows=-1: a number of rows" in errors[2], out
     assert out["gated_off"] and "gated_mlp='no'" in errors[3], out  # the default: the kernel GEMMs only
     assert "gated_mlp=True" in errors[4] and "needs skinny_rows > 0 (here 0)" in errors[4], out
+
+
+def test_fused_linear_equals_the_eager_modules_and_refuses_bad_shapes():
+    """`fused_linear` with every combination of its folds (RMSNorm before, SiLU(gate) * up or a residual add after) at
+    1-64 rows (the one-row kernel and the tiled one), widths that do not fill a block, a weight stored [N, K] and as a
+    transposed view, and the engine's settings and others: float64 within float64's rounding where nothing is
+    normalised (the norm is float32 by design, as LlamaRMSNorm computes it) and within float32's elsewhere; float32
+    within float32's. (Triton's interpreter rounds bf16 differently from the GPU, so bf16 is checked on the GPU:
+    `trainer/gpu_kernel_sanity.py`.) Bad shapes are refused by name."""
+    out = _run("""
+        import itertools
+
+        from hf_carryover.engine.fused_linear import fused_linear, reference, settings
+
+        g = torch.Generator().manual_seed(0)
+        worst, cases = {}, 0
+        for (m, n, k), dtype in itertools.product(((1, 40, 72), (1, 24, 1536), (3, 64, 576), (16, 33, 130),
+                                                   (33, 24, 300), (64, 8, 64)), (torch.float64, torch.float32)):
+            for norm, glu, resid in itertools.product((False, True), repeat=3):
+                x = torch.randn(m, k, generator=g, dtype=dtype)
+                w = torch.randn(2 * n if glu else n, k, generator=g, dtype=dtype) / k ** 0.5
+                nw = 1 + 0.1 * torch.randn(k, generator=g, dtype=dtype) if norm else None
+                r = torch.randn(m, n, generator=g, dtype=dtype) if resid else None
+                ref = reference(x.double(), w.double(), None if nw is None else nw.double(), 1e-6,
+                                None if r is None else r.double(), glu)
+                for wt, cfg in ((w, settings(m, n, k, glu)), (w.T.contiguous().T, (8, 64, 2))):
+                    y = fused_linear(x, wt, nw, 1e-6, r, glu, *cfg)
+                    assert y.shape == (m, n) and y.dtype == dtype
+                    err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+                    key = f"{dtype}_{'norm' if norm else 'plain'}"
+                    worst[key] = max(worst.get(key, 0.0), err)
+                    cases += 1
+        errors = []
+        x, w = torch.randn(2, 8), torch.randn(6, 8)
+        for bad in (dict(x=torch.randn(65, 8)), dict(w=torch.randn(6, 9)), dict(w=torch.randn(5, 8), glu=True),
+                    dict(norm_weight=torch.randn(7)), dict(residual=torch.randn(2, 5))):
+            try:
+                fused_linear(**{"x": x, "w": w, **bad})
+            except ValueError as e:
+                errors.append(str(e))
+        print(json.dumps({"worst": worst, "cases": cases, "errors": errors}))
+    """)
+    worst = out["worst"]
+    assert out["cases"] == 192, out
+    assert worst["torch.float64_plain"] < 1e-13 and worst["torch.float64_norm"] < 1e-5, out  # norm: float32 steps
+    assert worst["torch.float32_plain"] < 1e-5 and worst["torch.float32_norm"] < 1e-5, out  # a missed product: ~1e-1
+    errors = out["errors"]
+    assert len(errors) == 5 and "at most 64 rows" in errors[0] and "[M, K] and [N, K]" in errors[1], out
+    assert "an even count" in errors[2] and "norm_weight (7,)" in errors[3] and "residual (2, 5)" in errors[4], out
+
+
+def test_engines_with_folded_linears_equal_plain_greedy():
+    """`fused_linear_rows` (compile with frozen weights): a plain engine's one-row steps and a tree engine's rounds
+    (a Carryover drafter, lookup) run their projections on `fused_linear`, with each layer's two RMSNorms, SiLU(gate)
+    * up and two residual adds and the final norm folded in, and decode plain greedy decoding's tokens (float64), on
+    Llama and Qwen3 targets. With inductor's own gate/up merge (a `split` whose halves it may order up first; forced
+    here with `cpp.enable_concat_linear`, as on CUDA) the SiLU * up is still folded. Options that cannot work are
+    refused by name."""
+    out = _run("""
+        from conftest import build_drafter, build_target
+        from test_engine import _greedy_refs, _prompts
+        from test_engine_tree import WIDE
+        from hf_carryover.engine.engine import SpeculativeEngine
+
+        res = {}
+        frozen = {"freezing": True, "fx_graph_cache": False}
+        prompts = _prompts(2, (3, 9))
+        for arch in ("llama", "qwen3"):
+            target = build_target(arch, num_layers=2).double()
+            refs = _greedy_refs(target, prompts, 12)
+            plain = SpeculativeEngine(target, None, max_len=96, compile=True, fused_linear_rows=1,
+                                      compile_options=frozen)
+            res[f"{arch}_plain"] = [plain.generate([p], max_new_tokens=12) == [r] for p, r in zip(prompts, refs)]
+            res[f"{arch}_plain_record"] = plain.kernel_record()
+            if arch == "llama":
+                merged = SpeculativeEngine(target, None, max_len=96, compile=True, fused_linear_rows=1,
+                                           compile_options={**frozen, "cpp.enable_concat_linear": True})
+                res["split"] = merged.generate(prompts[:1], max_new_tokens=12) == refs[:1]
+                res["split_record"] = merged.kernel_record()
+            else:
+                continue  # the tree round's rows once (Qwen3's q/k norms are checked by the plain steps)
+            drafter = build_drafter(target, "dflash", True, target_layer_ids=[0]).double()
+            tree = SpeculativeEngine(target, drafter, max_len=96, compile=True, fused_linear_rows=32,
+                                     compile_options=frozen)
+            res[f"{arch}_tree"] = tree.generate(prompts, max_new_tokens=12, tree=WIDE, tree_nodes=5,
+                                                prompt_lookup_num_tokens=3) == refs
+            res[f"{arch}_tree_record"] = tree.kernel_record()
+        errors = []
+        target = build_target("llama", num_layers=2)
+        for bad in (dict(fused_linear_rows=8), dict(fused_linear_rows=-1), dict(fused_linear_rows=True)):
+            try:
+                SpeculativeEngine(target, None, max_len=96, **bad)
+            except ValueError as e:
+                errors.append(str(e))
+        print(json.dumps({**res, "errors": errors}))
+    """)
+    for arch in ("llama", "qwen3"):
+        assert out[f"{arch}_plain"] == [True, True], out
+        rec = out[f"{arch}_plain_record"]  # one graph: a plain step of 2 layers (q/k/v, o, gate/up, down) + head
+        folds = (rec["fused_linears"], rec["fused_norms"], rec["fused_glus"], rec["fused_residuals"])
+        assert folds == (9, 5, 2, 4), out
+    tree = out["llama_tree_record"]  # target and drafter layers in the tree round and the row prefills
+    assert out["llama_tree"] and tree["fused_linears"] > 9, out
+    assert tree["fused_glus"] > 2 and tree["fused_residuals"] > 4, out
+    assert out["split"] and out["split_record"]["fused_glus"] == 2 and out["split_record"]["fused_gemms"] == 0, out
+    errors = out["errors"]
+    assert "fused_linear_rows=8" in errors[0] and "freezing" in errors[0], out
+    assert "fused_linear_rows=-1: a number of rows" in errors[1] and "fused_linear_rows=True" in errors[2], out

@@ -82,7 +82,7 @@ def folded(m, n, k, norm, glu, resid):
         w = (torch.randn(2 * n if glu else n, k, device="cuda") / k ** 0.5).to(dtype)
         nw = (1 + 0.1 * torch.randn(k, device="cuda")).to(dtype) if norm else None
         r = torch.randn(m, n, device="cuda").to(dtype) if resid else None
-        y = fused_linear(x, w, nw, 1e-5, r, glu, *fused_settings(m, n, k))
+        y = fused_linear(x, w, nw, 1e-5, r, glu, *fused_settings(m, n, k, glu))
         if dtype == torch.bfloat16:
             ref = fused_reference(x, w, nw, 1e-5, r, glu).float()
         else:

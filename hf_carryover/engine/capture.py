@@ -89,8 +89,9 @@ class CapturedRounds:
             raise ValueError(f"fused_linear_rows={fused_linear_rows!r}: a number of rows, 0 (off) or more.")
         why = fused_linear_available(target.device) if fused_linear_rows else None
         if fused_linear_rows and (why or not runs_own_pass(compile, self.compile_options)):
-            raise ValueError(f"fused_linear_rows={fused_linear_rows} hands the frozen weights' GEMMs to a Triton kernel "
-                             f"in the engine's own inductor pass: {why or 'it needs compile=True with freezing=True'}.")
+            raise ValueError(f"fused_linear_rows={fused_linear_rows} hands the frozen weights' GEMMs to a Triton "
+                             f"kernel in the engine's own inductor pass: "
+                             f"{why or 'it needs compile=True with freezing=True'}.")
         self.fused_linear_rows = fused_linear_rows
         if self.compile_options:
             check_inductor_options(self.compile_options)

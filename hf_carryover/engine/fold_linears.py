@@ -186,12 +186,14 @@ def fold_linears(graph, rows: int) -> dict:
         prod, glu_nodes, up_first = _glu_product(node)
         add, other = (None, None) if prod is not None else _residual_add(node)
         out_n = n // 2 if prod is not None else n
-        with graph.inserting_before(node):
+        # where the new nodes go: before the node they replace, which comes after everything they read (the
+        # residual may be computed after the mm, e.g. where a layer adds its input back last)
+        with graph.inserting_before(prod if prod is not None else add if add is not None else node):
             xin = call(_aten.reshape.default, h, [m, k]) if norm is not None else x  # [..., K] -> [M, K]
             wt = _rows_of(graph, w, xv.fake_mode, up_first)  # [N, K], K contiguous: the kernel reads W's rows
             resid = call(_aten.reshape.default, other, [m, n]) if add is not None else None  # [..., N] -> [M, N]
             out = call(op, xin, wt, norm.weight if norm is not None else None, norm.eps if norm is not None else 1e-6,
-                       resid, prod is not None, *fused_linear.settings(m, out_n, k))
+                       resid, prod is not None, *fused_linear.settings(m, out_n, k, prod is not None))
         if prod is not None:
             with graph.inserting_after(out):
                 shaped = call(_aten.reshape.default, out, list(prod.meta["val"].shape))

@@ -10,22 +10,24 @@ kernels, attention and RoPE's pointwise kernels, about 7 launches in place of 10
 
 What each option makes of the same kernel (each a compile-time constant, so each variant is its own kernel):
   * `norm_weight` (RMSNorm before the projection, as transformers writes it for Llama, Qwen, Mistral): every program
-    reads its rows of x twice, once for the mean of squares (float32, as `LlamaRMSNorm` upcasts) and once for the
-    product; x is normalised in float32, rounded to x's dtype, scaled by the norm's weight and rounded again, the
-    roundings of the eager module. x is the residual stream, a few KB that stay in cache.
+    computes its rows' mean of squares itself (float32, as `LlamaRMSNorm` upcasts; the tiled kernel reads x twice for
+    it, the one-row kernel once); x is normalised in float32, rounded to x's dtype, scaled by the norm's weight and
+    rounded again, the roundings of the eager module. x is the residual stream, a few KB that stay in cache.
   * `glu`: w holds gate rows `[0, N)` and up rows `[N, 2N)` (a merged gate/up); each program computes both for its
     columns and writes `silu(gate) * up`, each rounded to x's dtype as the eager MLP rounds them.
   * `residual` `[M, N]`: the output is `residual + x @ w.T`, the projection's result rounded before the add (as
     eager: `residual + o_proj(h)`).
 One row (a batch-1 plain step) is a sum of products over K per column, every load of a program issued at once (no
 tensor-core tile to pad, no loop); from 2 rows on, each program takes all rows with `tl.dot` (a tile of 16 rows and
-more, masked). The arithmetic is a GEMM's: products
-summed in float32 (float64 for float64 models; IEEE, not TF32, for float32), one rounding at the end, in another
-order than cuBLAS.
+more, masked). The arithmetic is a GEMM's: products summed in float32 (float64 for float64 models; IEEE, not TF32,
+for float32), one rounding at the end, in another order than cuBLAS.
 
 The engine uses it only with `fused_linear_rows` (opt-in; `fold_linears.py` finds the patterns in frozen compiled
-graphs). Off CUDA the kernel runs in Triton's interpreter when TRITON_INTERPRET=1 was set before Triton was imported
-(the CPU tests).
+graphs). On an H100 (`examples/results/h100-2026-12-06g`, the reference target's shapes) it made a batch-1 plain step
+11.6 % cheaper (0.820 against 0.927 ms, 226 kernels against 318) and a tree 31 + lookup round 3.2 % dearer (1.401
+against 1.358 ms: the tiled kernel took 5.7 us a call where cuBLAS took 3.7-4.2). bf16 results equal the eager
+modules' bit for bit there (the one-row vocabulary head within a rounding step). Off CUDA the kernel runs in Triton's
+interpreter when TRITON_INTERPRET=1 was set before Triton was imported (the CPU tests).
 """
 
 from __future__ import annotations
@@ -137,12 +139,16 @@ if triton is not None:
         tl.store(y_ptr + rm[:, None] * sym + rn[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
 
 
-def settings(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """(block_n, block_k, num_warps) for `m` rows, `n` output columns and input width `k`. One row: 8 columns a
-    program (block_k unused: K is loaded whole), 8 warps from K = 2048 padded. More rows: `skinny_gemm.settings`
-    (16 columns, K in steps of 256, 512 from K = 1536; 2 warps up to 16 rows, 4 above). Untimed on this kernel."""
+def settings(m: int, n: int, k: int, glu: bool = False) -> tuple[int, int, int]:
+    """(block_n, block_k, num_warps) for `m` rows, `n` output columns, input width `k` and `glu`.
+
+    One row: 4 columns a program (block_k unused: K is loaded whole), 8 warps except for a GLU or a vocabulary head
+    (n > 8192), 4 there: the fastest of 4/8/16/32 columns x 2/4/8 warps for each of the reference target's folded
+    projections on an H100 (`examples/fused_linear_bench.py`, `h100-2026-12-06g`; a layer's four 10.8 us against
+    12.4 with 8 columns). More rows: `skinny_gemm.settings` (16 columns, K in steps of 256, 512 from K = 1536; 2
+    warps up to 16 rows, 4 above), untimed on this kernel."""
     if m == 1:
-        return 8, 0, 8 if triton.next_power_of_2(k) >= 2048 else 4
+        return 4, 0, 4 if glu or n > 8192 else 8
     return 16, 256 if k <= 1024 else 512, 2 if m <= 16 else 4
 
 
