@@ -16,9 +16,9 @@ import torch
 from .attention import TRITON_SETTINGS
 from .compiling import check_inductor_options, compile_round
 from .fuse_projections import FuseSharedInputMatmuls
+from .fused_linear import available as fused_linear_available
 from .graphs import capture_round
 from .refill import RowPrefill
-from .fused_linear import available as fused_linear_available
 from .skinny_gemm import available as skinny_available
 from .state import DecodeState
 

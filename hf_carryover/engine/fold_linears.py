@@ -10,8 +10,9 @@ mean for every output column and made a step slower (`h100-2026-12-05d`, `h100-2
 patterns, in the forms transformers' Llama-style layers take after inductor's decompositions:
   * x made by an RMSNorm (`fuse_projections._rms_norm`: `reshape(w * cast(h * rsqrt(mean(h^2) + eps)))`): the kernel
     reads h and the norm's weight, and the norm's nodes go;
-  * the mm read only through two equal column slices, gate then up, that meet in `silu(gate) * up`, silu written as
-    `g / (1 + exp(-g))` or `g * sigmoid(g)`, with casts between (`_glu_product`): the kernel writes the product;
+  * the mm read only as two equal column halves (two slices, or inductor's `split` of its own gate/up merge, either
+    half first) that meet in `silu(gate) * up`, silu written as `g / (1 + exp(-g))` or `g * sigmoid(g)`, with casts
+    between (`_glu_product`): the kernel writes the product;
   * otherwise, the mm read only by `reshape` -> `add(other, that)` of the same shape (a residual add): the kernel adds.
 Everything else the mm feeds stays as it was. A graph with none of the patterns still gets every such mm on the kernel
 (a plain projection). Returns the counts of each, for the engine's records.

@@ -42,6 +42,10 @@ for all rows (a tree round's 32 verified rows, the drafter's 16). Why: cuBLAS to
 H100, the kernel 2.7-4.4 (`examples/gemm_bench.py`, `h100-2026-12-06c`), a fixed cost paid 90+ times a round. On the
 real target's tree rounds that saving did not show (1.410 against 1.418 ms, `h100-2026-12-06d`): off by default.
 
+`fused_rows=N` (off at 0; the engine's `fused_linear_rows`) hands every constant-weight `mm` of at most N rows, after
+the merge and before the GEMV and skinny rewrites, to `fused_linear.py`'s kernel with the RMSNorm before it and the
+SiLU(gate) * up or residual add after it (`fold_linears.py`).
+
 The pass also writes RoPE's `rotate_half` concatenations as indexing (`rotate_half.py`), in every frozen graph.
 """
 from __future__ import annotations
