@@ -26,8 +26,8 @@ The engine uses it only with `fused_linear_rows` (opt-in; `fold_linears.py` find
 graphs). On an H100 (`examples/results/h100-2026-12-06g`, the reference target's shapes) it made a batch-1 plain step
 11.6 % cheaper (0.820 against 0.927 ms, 226 kernels against 318) and a tree 31 + lookup round 3.2 % dearer (1.401
 against 1.358 ms: the tiled kernel took 5.7 us a call where cuBLAS took 3.7-4.2). Its bf16 results equal the eager
-modules' there or lie within one bf16 rounding step of them (another summation order). Off CUDA the kernel runs in Triton's
-interpreter when TRITON_INTERPRET=1 was set before Triton was imported (the CPU tests).
+modules' there or lie within one bf16 rounding step of them (another summation order). Off CUDA the kernel runs in
+Triton's interpreter when TRITON_INTERPRET=1 was set before Triton was imported (the CPU tests).
 """
 
 from __future__ import annotations
