@@ -16,11 +16,10 @@ import torch
 from .attention import TRITON_SETTINGS
 from .compiling import check_inductor_options, compile_round
 from .fuse_projections import FuseSharedInputMatmuls
-from .fused_linear import available as fused_linear_available
 from .graphs import capture_round
 from .refill import RowPrefill
-from .skinny_gemm import available as skinny_available
 from .state import DecodeState
+from .triton_attention import available as triton_available  # where the engine's Triton kernels run
 
 
 def _is_cuda(device) -> bool:
@@ -42,6 +41,19 @@ def pdl_on(compile_options: dict) -> bool:
     import torch._inductor.config as inductor_config
 
     return bool(compile_options.get("triton.enable_pdl", getattr(inductor_config.triton, "enable_pdl", False)))
+
+
+def kernel_rows(option: str, rows, device, compile, compile_options: dict) -> int:
+    """`rows` of an engine option that hands the frozen weights' GEMMs of up to that many rows to one of the engine's
+    Triton kernels in its own inductor pass (`skinny_rows`, `fused_linear_rows`), checked: a whole number, 0 (off) or
+    more, and where it is on, a device the kernel runs on and compile=True with frozen weights."""
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
+        raise ValueError(f"{option}={rows!r}: a number of rows, 0 (off) or more.")
+    why = triton_available(device) if rows else None
+    if rows and (why or not runs_own_pass(compile, compile_options)):
+        raise ValueError(f"{option}={rows} hands the frozen weights' GEMMs to a Triton kernel in the engine's own "
+                         f"inductor pass: {why or 'it needs compile=True with freezing=True'}.")
+    return rows
 
 
 def auto_gemv_rows(compile, device, compile_options: dict, config) -> int:
@@ -78,21 +90,9 @@ class CapturedRounds:
             raise ValueError(f"gemv_rows={gemv_rows} rewrites the frozen weights' GEMMs in the engine's own inductor "
                              "pass: it needs compile=True with compile_options={'freezing': True} (and the pass's slot "
                              "left to the engine).")
-        if not isinstance(skinny_rows, int) or isinstance(skinny_rows, bool) or skinny_rows < 0:
-            raise ValueError(f"skinny_rows={skinny_rows!r}: a number of rows, 0 (off) or more.")
-        why = skinny_available(target.device) if skinny_rows else None
-        if skinny_rows and (why or not runs_own_pass(compile, self.compile_options)):
-            raise ValueError(f"skinny_rows={skinny_rows} hands the frozen weights' GEMMs to a Triton kernel in the "
-                             f"engine's own inductor pass: {why or 'it needs compile=True with freezing=True'}.")
-        self.skinny_rows = skinny_rows
-        if not isinstance(fused_linear_rows, int) or isinstance(fused_linear_rows, bool) or fused_linear_rows < 0:
-            raise ValueError(f"fused_linear_rows={fused_linear_rows!r}: a number of rows, 0 (off) or more.")
-        why = fused_linear_available(target.device) if fused_linear_rows else None
-        if fused_linear_rows and (why or not runs_own_pass(compile, self.compile_options)):
-            raise ValueError(f"fused_linear_rows={fused_linear_rows} hands the frozen weights' GEMMs to a Triton "
-                             f"kernel in the engine's own inductor pass: "
-                             f"{why or 'it needs compile=True with freezing=True'}.")
-        self.fused_linear_rows = fused_linear_rows
+        self.skinny_rows = kernel_rows("skinny_rows", skinny_rows, target.device, compile, self.compile_options)
+        self.fused_linear_rows = kernel_rows("fused_linear_rows", fused_linear_rows, target.device, compile,
+                                             self.compile_options)
         if self.compile_options:
             check_inductor_options(self.compile_options)
         # with frozen weights, q/k/v (and any projections sharing an input) become one GEMM whatever their widths

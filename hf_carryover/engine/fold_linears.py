@@ -25,7 +25,7 @@ import torch
 
 from . import fused_linear
 from .fuse_projections import _constant_weight_mms, _equal_slices, _rms_norm
-from .fx_nodes import is_call, node_maker
+from .fx_nodes import constant_node, drop_constant, is_call, node_maker
 
 _aten = torch.ops.aten
 _CONVERT = torch.ops.prims.convert_element_type.default
@@ -115,23 +115,24 @@ def _glu_product(mm):
 
 
 def _residual_add(mm):
-    """(`add(other, reshape(mm))`, other) when that is all `mm` feeds and both operands have one shape and dtype."""
+    """(`add(other, reshape(mm))`, other, the reshapes between) when that is all `mm` feeds and both operands have one
+    shape and dtype, else (None, None, None)."""
     view, chain = _through(mm, _VIEWS)
     if not chain or len(view.users) != 1:
-        return None, None
+        return None, None, None
     add = next(iter(view.users))
     if not is_call(add, _aten.add.Tensor) or len(add.args) != 2 or add.kwargs:
-        return None, None
+        return None, None, None
     other = add.args[1] if add.args[0] is view else add.args[0]
     if not isinstance(other, torch.fx.Node) or other is view or "val" not in other.meta:
-        return None, None
+        return None, None, None
     ov, vv = other.meta["val"], view.meta["val"]
     if ov.shape != vv.shape or ov.dtype != vv.dtype or add.meta["val"].shape != vv.shape:
-        return None, None
-    return add, other
+        return None, None, None
+    return add, other, chain
 
 
-def _rows_of(graph, w, fake_mode, swap_halves=False):
+def _rows_of(graph, call, fake_mode, w, swap_halves=False):
     """A constant holding the weight `w` [K, N] as `[N, K]` rows with K contiguous (what the kernel reads in whole
     rows): the stored rows themselves where w is a transposed view of an nn.Linear weight, else a transposed copy made
     once at compile time (inductor's freezing merge concatenates gate/up as `[K, 2N]` with N contiguous). With
@@ -142,16 +143,8 @@ def _rows_of(graph, w, fake_mode, swap_halves=False):
         half = value.shape[0] // 2
         value = torch.cat([value[half:], value[:half]])  # [N, K], contiguous
     if value.stride(1) == 1 and not swap_halves:
-        node = graph.call_function(_aten.permute.default, (w, [1, 0]))
-        with fake_mode:
-            node.meta["val"] = _aten.permute.default(w.meta["val"], [1, 0])
-        return node
-    name = f"_rows_{w.target}" + "_swapped" * swap_halves
-    if not hasattr(gm, name):
-        gm.register_buffer(name, value.contiguous())
-    node = graph.get_attr(name)
-    node.meta["val"] = fake_mode.from_tensor(getattr(gm, name), static_shapes=True)
-    return node
+        return call(_aten.permute.default, w, [1, 0])
+    return constant_node(graph, f"_rows_{w.target}" + "_swapped" * swap_halves, value.contiguous(), fake_mode)
 
 
 def _erase_dead(graph, nodes) -> None:
@@ -185,13 +178,13 @@ def fold_linears(graph, rows: int) -> dict:
             if norm.cast not in (None, xv.dtype) or h.meta["val"].dtype != xv.dtype:
                 norm = None  # a norm whose input or output dtype is not the GEMM's: left as it is
         prod, glu_nodes, up_first = _glu_product(node)
-        add, other = (None, None) if prod is not None else _residual_add(node)
+        add, other, views = (None, None, None) if prod is not None else _residual_add(node)
         out_n = n // 2 if prod is not None else n
         # where the new nodes go: before the node they replace, which comes after everything they read (the
         # residual may be computed after the mm, e.g. where a layer adds its input back last)
         with graph.inserting_before(prod if prod is not None else add if add is not None else node):
             xin = call(_aten.reshape.default, h, [m, k]) if norm is not None else x  # [..., K] -> [M, K]
-            wt = _rows_of(graph, w, xv.fake_mode, up_first)  # [N, K], K contiguous: the kernel reads W's rows
+            wt = _rows_of(graph, call, xv.fake_mode, w, up_first)  # [N, K], K contiguous: the kernel reads W's rows
             resid = call(_aten.reshape.default, other, [m, n]) if add is not None else None  # [..., N] -> [M, N]
             out = call(op, xin, wt, norm.weight if norm is not None else None, norm.eps if norm is not None else 1e-6,
                        resid, prod is not None, *fused_linear.settings(m, out_n, k, prod is not None))
@@ -204,7 +197,7 @@ def fold_linears(graph, rows: int) -> dict:
             with graph.inserting_after(out):
                 shaped = call(_aten.reshape.default, out, list(add.meta["val"].shape))
             add.replace_all_uses_with(shaped)
-            _erase_dead(graph, [add, *_through(node, _VIEWS)[1][::-1], node])
+            _erase_dead(graph, [add, *views[::-1], node])
         else:
             node.replace_all_uses_with(out)
             graph.erase_node(node)
@@ -212,11 +205,7 @@ def fold_linears(graph, rows: int) -> dict:
             norm.erase_dead()
             if upcast is not None and not upcast.users:
                 graph.erase_node(upcast)
-        if not w.users:  # a weight copied into rows (`_rows_of`): the [K, N] constant is dead, free its memory
-            graph.erase_node(w)
-            if hasattr(graph.owning_module, w.target) and not any(
-                    n.op == "get_attr" and n.target == w.target for n in graph.nodes):
-                delattr(graph.owning_module, w.target)
+        drop_constant(graph, w)  # a weight copied into rows (`_rows_of`): the [K, N] constant, once dead, freed
         counts["linears"] += 1
         counts["norms"] += norm is not None
         counts["glus"] += prod is not None

@@ -53,7 +53,7 @@ from __future__ import annotations
 import torch
 
 from . import fx_nodes, rotate_half, skinny_gemm
-from .fx_nodes import is_call, node_maker
+from .fx_nodes import constant_node, drop_constant, is_call, node_maker
 
 try:  # a CustomGraphPass with a uuid keeps inductor's FX graph cache usable
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -155,14 +155,11 @@ class FuseSharedInputMatmuls(CustomGraphPass):
         # the constants are [in, out_i] views of [out_i, in] weights; concatenate the stored rows and view the result
         # the same way, so the merged GEMM reads memory in the layout the separate ones did
         w_cat = torch.cat([getattr(gm, w.target).t() for w in weights], 0).t()  # [in, sum(out_i)]
-        name = f"_fused_{weights[0].target}"
-        gm.register_buffer(name, w_cat)
         fake_mode = x.meta["val"].fake_mode
         widths = [w.meta["val"].shape[1] for w in weights]
         first = nodes[0]
         with graph.inserting_before(first):
-            w_node = graph.get_attr(name)
-            w_node.meta["val"] = fake_mode.from_tensor(w_cat, static_shapes=True)  # its sizes are constants
+            w_node = constant_node(graph, f"_fused_{weights[0].target}", w_cat, fake_mode)
             fused = graph.call_function(torch.ops.aten.mm.default, (x, w_node))
             with fake_mode:
                 fused.meta["val"] = torch.ops.aten.mm.default(x.meta["val"], w_node.meta["val"])
@@ -175,10 +172,7 @@ class FuseSharedInputMatmuls(CustomGraphPass):
                 start += width
         for node, w in zip(nodes, weights):
             graph.erase_node(node)
-            if not w.users:  # the separate constant is dead: free its memory
-                graph.erase_node(w)
-                if hasattr(gm, w.target):
-                    delattr(gm, w.target)
+            drop_constant(graph, w)  # the separate constant, once dead: free its memory
 
 
 def _constant_weight_mms(graph):

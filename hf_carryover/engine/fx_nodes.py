@@ -1,4 +1,5 @@
-"""Finding and making nodes for the engine's inductor graph passes (`fuse_projections.py`, `rotate_half.py`).
+"""Finding and making nodes for the engine's inductor graph passes (`fuse_projections.py`, `rotate_half.py`,
+`fold_linears.py`).
 
 Why: a post-grad pass that adds nodes must give each its fake value (`meta["val"]`): inductor's lowering reads shapes,
 strides and dtypes from it. One helper makes both, so no pass can add a node without one.
@@ -25,4 +26,25 @@ def node_maker(graph, fake_mode):
     return call
 
 
-__all__ = ["is_call", "node_maker"]
+def constant_node(graph, name: str, value: torch.Tensor, fake_mode):
+    """A `get_attr` node (at the graph's insertion point) for `value`, registered once on the graph's module as buffer
+    `name`, with its fake value (its sizes are constants): a constant a pass computed at compile time."""
+    gm = graph.owning_module
+    if not hasattr(gm, name):
+        gm.register_buffer(name, value)
+    node = graph.get_attr(name)
+    node.meta["val"] = fake_mode.from_tensor(getattr(gm, name), static_shapes=True)
+    return node
+
+
+def drop_constant(graph, node) -> None:
+    """Erase the `get_attr` `node` if nothing reads it any more, and free its tensor unless another node names it."""
+    if node.users:
+        return
+    graph.erase_node(node)
+    gm = graph.owning_module
+    if hasattr(gm, node.target) and not any(n.op == "get_attr" and n.target == node.target for n in graph.nodes):
+        delattr(gm, node.target)
+
+
+__all__ = ["constant_node", "drop_constant", "is_call", "node_maker"]
