@@ -41,7 +41,7 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("fused_linear_bench.py times CUDA graphs: it needs a GPU")
     from evaluate_tau import environment
-    from gemm_bench import graph_us
+    from gemm_bench import graph_us, try_settings
 
     from hf_carryover.engine.fused_linear import fused_linear, reference, settings
 
@@ -63,18 +63,14 @@ def main():
                    "default": settings(m, n, k, glu),
                    "cublas_mm_us": graph_us([lambda w=w: torch.mm(x, w) for w in wts], args.replays)}
             block_ks = [0] if m == 1 else args.block_k  # one row loads K whole
-            tried = []
-            for bn, bk, nwp in itertools.product(args.block_n, block_ks, args.warps):
-                try:
-                    err = (fused_linear(x, ws[0], nw, 1e-5, r, glu, bn, bk, nwp).float() - ref).abs().max().item()
-                    us = graph_us([lambda w=w: fused_linear(x, w, nw, 1e-5, r, glu, bn, bk, nwp) for w in ws],
-                                  args.replays)
-                except Exception as e:  # noqa: BLE001  (a setting Triton cannot build: recorded, the rest run)
-                    tried.append({"block_n": bn, "block_k": bk, "warps": nwp,
-                                  "error": f"{type(e).__name__}: {e}"[:200]})
-                    continue
-                tried.append({"block_n": bn, "block_k": bk, "warps": nwp, "us": us, "max_err": err})
-            ok = sorted((t for t in tried if "us" in t), key=lambda t: t["us"])
+
+            def measure(bn, bk, nwp):
+                err = (fused_linear(x, ws[0], nw, 1e-5, r, glu, bn, bk, nwp).float() - ref).abs().max().item()
+                return err, graph_us([lambda w=w: fused_linear(x, w, nw, 1e-5, r, glu, bn, bk, nwp) for w in ws],
+                                     args.replays)
+
+            configs = itertools.product(args.block_n, block_ks, args.warps)
+            tried, ok = try_settings(configs, ("block_n", "block_k", "warps"), measure)
             row["best"] = ok[0] if ok else None
             row["tried"] = tried
             if ok:

@@ -58,6 +58,22 @@ def graph_us(fns, replays: int) -> float:
     return 1e6 * (time.perf_counter() - t) / replays / len(fns)
 
 
+def try_settings(configs, names, measure) -> tuple[list, list]:
+    """Each setting of `configs` (tuples, their fields named by `names`) through `measure(*setting) -> (max_err, us)`.
+    A setting Triton cannot build is recorded with its error and the rest still run. Returns (every setting tried, as
+    dicts; those that ran, fastest first)."""
+    tried = []
+    for cfg in configs:
+        row = dict(zip(names, cfg))
+        try:
+            err, us = measure(*cfg)
+        except Exception as e:  # noqa: BLE001  (a setting Triton cannot build: skip it, keep the rest)
+            tried.append({**row, "error": f"{type(e).__name__}: {e}"[:200]})
+            continue
+        tried.append({**row, "us": us, "max_err": err})
+    return tried, sorted((t for t in tried if "us" in t), key=lambda t: t["us"])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", nargs="+", type=int, default=[8, 16, 32, 48])
@@ -112,17 +128,11 @@ def main():
                                                 args.replays)}
             wts = [w.T.contiguous() for w in ws]  # [K, N], as inductor's frozen weights feed extern mm
             row["cublas_mm_us"] = graph_us([lambda w=w: torch.mm(lhs(), w) for w in wts], args.replays)
-            tried = []
-            for bn, bk, nw, ns in configs:
-                try:
-                    err = (kernel(ws[0], bn, bk, nw, ns).float() - ref).abs().max().item()
-                    us = graph_us([lambda w=w: kernel(w, bn, bk, nw, ns) for w in ws], args.replays)
-                except Exception as e:  # noqa: BLE001  (a setting Triton cannot build: skip it, keep the rest)
-                    tried.append({"block_n": bn, "block_k": bk, "warps": nw, "stages": ns,
-                                  "error": f"{type(e).__name__}: {e}"[:200]})
-                    continue
-                tried.append({"block_n": bn, "block_k": bk, "warps": nw, "stages": ns, "us": us, "max_err": err})
-            ok = sorted((t for t in tried if "us" in t), key=lambda t: t["us"])
+            def measure(*cfg):
+                err = (kernel(ws[0], *cfg).float() - ref).abs().max().item()
+                return err, graph_us([lambda w=w: kernel(w, *cfg) for w in ws], args.replays)
+
+            tried, ok = try_settings(configs, ("block_n", "block_k", "warps", "stages"), measure)
             row["best"] = ok[0] if ok else None
             row["tried"] = tried
             cublas = min(row["cublas_linear_us"], row["cublas_mm_us"])
