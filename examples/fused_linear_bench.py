@@ -5,8 +5,12 @@ which column width and warp count keep a few-row projection near its fixed cost 
 timing is a CUDA graph of `--layers` calls of one shape, each with its own weight (streamed from memory, as in a
 forward), replayed back to back (`gemm_bench.graph_us`): per-call time with launch gaps, as in a captured round.
 cuBLAS's bare GEMM of the same shape is timed beside it (`cublas_mm_us`: without the norm, SiLU * up or add).
+With --bare each shape is also timed on the kernel with nothing folded (`NAME-bare@M`: the same weight as one plain
+GEMM, a merged gate/up's 2N columns), which splits what the folds cost from what the tiled GEMM itself costs: at 8
+and 32 rows the folded kernel lost to cuBLAS in whole rounds (`h100-2026-12-06g`, `h100-2026-12-06h`).
 
     python examples/fused_linear_bench.py --rows 1 8 32 --out fused_linear_bench.json
+    python examples/fused_linear_bench.py --rows 16 32 --bare --out fused_linear_bench_rows.json
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ def main():
     p.add_argument("--block_n", nargs="+", type=int, default=[4, 8, 16, 32])
     p.add_argument("--block_k", nargs="+", type=int, default=[128, 256])
     p.add_argument("--warps", nargs="+", type=int, default=[2, 4, 8])
+    p.add_argument("--bare", action="store_true", help="also time each shape with nothing folded (NAME-bare@M)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -50,9 +55,12 @@ def main():
     record = {"command": " ".join(sys.argv), "env": environment(), "shapes": {}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    shapes = [s for s in SHAPES if s[0] in args.shapes]
+    if args.bare:  # nothing folded: the same weights as plain GEMMs (a merged gate/up as its 2N columns)
+        shapes += [(f"{name}-bare", 2 * n if glu else n, k, False, False, False) for name, n, k, _, glu, _ in shapes]
     for m in args.rows:
-        for name, n, k, norm, glu, resid in (s for s in SHAPES if s[0] in args.shapes):
-            layers = 1 if name == "head" else args.layers  # one head a forward (56 MB of weight)
+        for name, n, k, norm, glu, resid in shapes:
+            layers = 1 if name.startswith("head") else args.layers  # one head a forward (56 MB of weight)
             ws = [torch.randn(2 * n if glu else n, k, device=dev, dtype=dt) / k ** 0.5 for _ in range(layers)]
             x = torch.randn(m, k, device=dev, dtype=dt)
             nw = (1 + 0.1 * torch.randn(k, device=dev)).to(dt) if norm else None

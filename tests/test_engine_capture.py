@@ -13,7 +13,7 @@ from test_engine import _greedy_refs, _prompts
 from hf_carryover.engine import capture as capture_mod
 from hf_carryover.engine import engine as engine_mod
 from hf_carryover.engine import refill as refill_mod
-from hf_carryover.engine.capture import auto_gemv_rows
+from hf_carryover.engine.capture import auto_fused_linear_rows, auto_gemv_rows
 from hf_carryover.engine.engine import SpeculativeEngine
 from hf_carryover.engine.graphs import restored
 
@@ -432,13 +432,7 @@ def test_gemv_rows_generates_one_row_gemms_as_reductions():
     # pass's slot free; this CPU target stays off, with or without freezing, and so is not refused
     for options in ({}, {"freezing": True}):
         assert SpeculativeEngine(target, None, max_len=96, compile=True, compile_options=options).gemv_rows == 0
-    frozen, cuda = {"freezing": True}, torch.device("cuda", 0)
-    assert auto_gemv_rows(True, cuda, frozen, target.config) == 1
-    assert auto_gemv_rows(True, "cuda", frozen, target.config) == 1
-    assert auto_gemv_rows(False, cuda, frozen, target.config) == 0  # no compile
-    assert auto_gemv_rows(True, cuda, {}, target.config) == 0  # weights not frozen
-    assert auto_gemv_rows(True, cuda, {**frozen, "post_grad_custom_pre_pass": None}, target.config) == 0
-    assert auto_gemv_rows(True, "cpu", frozen, target.config) == 0
+    frozen, cuda = {"freezing": True}, torch.device("cuda", 0)  # (where "auto" turns on: the test below)
     wide = type(target.config)(**{**target.config.to_dict(), "hidden_size": 2560})  # a 4B target's width
     assert auto_gemv_rows(True, cuda, frozen, wide) == 0
     with pytest.raises(ValueError, match="gemv_rows='on': 'auto', or a number of rows"):
@@ -450,6 +444,37 @@ def test_gemv_rows_generates_one_row_gemms_as_reductions():
     with pytest.raises(ValueError, match="gemv_fusion=1: True, False or 'norms'"):
         SpeculativeEngine(target, None, max_len=96, compile=True, gemv_rows=1, gemv_fusion=1,
                           compile_options={"freezing": True})
+
+
+def test_fused_linear_rows_auto_only_where_timed(monkeypatch):
+    """fused_linear_rows="auto" (the default) is 1 only where it was timed faster: a CUDA target with Triton, frozen
+    weights and the pass's slot free, projections of at most 2048 inputs (the reference target: 576 and 1536); the
+    same compile conditions as gemv_rows="auto". A CPU target resolves to 0 and so is not refused for lacking a GPU;
+    other values are refused by name."""
+    target = build_target("llama")
+    frozen, cuda = {"freezing": True}, torch.device("cuda", 0)
+    for options in ({}, frozen):
+        engine = SpeculativeEngine(target, None, max_len=96, compile=True, compile_options=options)
+        assert engine.fused_linear_rows == 0
+    assert engine.fused_projections.fused_rows == 0  # the frozen engine's own pass runs, folding nothing
+    assert SpeculativeEngine(target, None, max_len=96).fused_linear_rows == 0  # not compiled
+    monkeypatch.setattr(capture_mod, "triton_available", lambda device: None)  # as on a GPU with Triton
+    for auto in (auto_gemv_rows, auto_fused_linear_rows):  # both turn on under the same compile conditions
+        assert auto(True, cuda, frozen, target.config) == 1
+        assert auto(True, "cuda", frozen, target.config) == 1
+        assert auto(False, cuda, frozen, target.config) == 0  # no compile
+        assert auto(True, cuda, {}, target.config) == 0  # weights not frozen
+        assert auto(True, cuda, {**frozen, "post_grad_custom_pre_pass": None}, target.config) == 0
+        assert auto(True, "cpu", frozen, target.config) == 0
+    as_config = lambda **kw: type(target.config)(**{**target.config.to_dict(), **kw})  # noqa: E731
+    assert auto_fused_linear_rows(True, cuda, frozen, as_config(hidden_size=576, intermediate_size=1536)) == 1
+    assert auto_fused_linear_rows(True, cuda, frozen, as_config(hidden_size=2560, intermediate_size=9728)) == 0
+    assert auto_fused_linear_rows(True, cuda, frozen, as_config(hidden_size=1024, intermediate_size=4096)) == 0
+    monkeypatch.setattr(capture_mod, "triton_available", lambda device: "Triton is not installed")
+    assert auto_fused_linear_rows(True, cuda, frozen, target.config) == 0  # no Triton: off, not refused
+    for bad in ("on", -1, 1.5, True):
+        with pytest.raises(ValueError, match="fused_linear_rows=.*: 'auto', or a number of rows"):
+            SpeculativeEngine(target, None, max_len=96, compile=True, fused_linear_rows=bad, compile_options=frozen)
 
 
 def test_rotate_half_rewrite_gives_the_same_bits():

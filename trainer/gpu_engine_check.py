@@ -329,8 +329,9 @@ def main():
                             if one_row_keys:  # the one-row switch: each set's plain steps on the kernel
                                 row.update({f"{tag}one_row_keys": one_row_keys,
                                             f"{tag}one_row_kernel_steps": kernel_steps})
-                            if engine.compile:  # what gemv_rows="auto" (the default) chose for this engine
-                                row[f"{tag}gemv_rows"] = engine.gemv_rows
+                            if engine.compile:  # what gemv_rows and fused_linear_rows "auto" (the defaults)
+                                row[f"{tag}gemv_rows"] = engine.gemv_rows  # chose for this engine
+                                row[f"{tag}fused_linear_rows"] = engine.fused_linear_rows
                                 if engine.fused_projections is not None:  # what the frozen pass rewrote, e.g.
                                     # skinny_gemms (skinny_rows): proof that the checked rounds ran the kernel
                                     row[f"{tag}frozen_pass"] = engine.fused_projections.record()

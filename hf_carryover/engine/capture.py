@@ -43,12 +43,14 @@ def pdl_on(compile_options: dict) -> bool:
     return bool(compile_options.get("triton.enable_pdl", getattr(inductor_config.triton, "enable_pdl", False)))
 
 
-def kernel_rows(option: str, rows, device, compile, compile_options: dict) -> int:
+def kernel_rows(option: str, rows, device, compile, compile_options: dict, auto: bool = False) -> int:
     """`rows` of an engine option that hands the frozen weights' GEMMs of up to that many rows to one of the engine's
     Triton kernels in its own inductor pass (`skinny_rows`, `fused_linear_rows`), checked: a whole number, 0 (off) or
-    more, and where it is on, a device the kernel runs on and compile=True with frozen weights."""
+    more, and where it is on, a device the kernel runs on and compile=True with frozen weights. `auto`: the option
+    also takes "auto" (resolved before this check), which the message names."""
     if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
-        raise ValueError(f"{option}={rows!r}: a number of rows, 0 (off) or more.")
+        also = "'auto', or " if auto else ""
+        raise ValueError(f"{option}={rows!r}: {also}a number of rows, 0 (off) or more.")
     why = triton_available(device) if rows else None
     if rows and (why or not runs_own_pass(compile, compile_options)):
         raise ValueError(f"{option}={rows} hands the frozen weights' GEMMs to a Triton kernel in the engine's own "
@@ -63,6 +65,19 @@ def auto_gemv_rows(compile, device, compile_options: dict, config) -> int:
                and getattr(config, "hidden_size", 1 << 30) <= 1024)
 
 
+def auto_fused_linear_rows(compile, device, compile_options: dict, config) -> int:
+    """`fused_linear_rows="auto"`: 1 (batch-1 plain steps' projections on `fused_linear.py`'s one-row kernel, norms,
+    SiLU * up and residual adds folded in) where it was timed faster, else 0: a CUDA target with Triton where the
+    engine's own pass runs (`runs_own_pass`), whose widest projection input (hidden or intermediate size) is at most
+    2048. Why that bound: the one-row kernel loads a program's weight rows and x whole, K padded to a power of two; it
+    was timed at the reference target's 576 and 1536 (`h100-2026-12-06h`: a plain step 0.725 against 0.916 ms), and
+    at a 4B target's 9728 a program's tile would be eight times wider, untimed. Not above one row: the tiled form lost
+    to cuBLAS in a tree round (+3.2 %, `h100-2026-12-06g`) and at batch 8 (+3.3 %, `h100-2026-12-06h`)."""
+    widest = max(getattr(config, "hidden_size", 1 << 30), getattr(config, "intermediate_size", 0) or 0)
+    return int(runs_own_pass(compile, compile_options) and _is_cuda(device) and triton_available(device) is None
+               and widest <= 2048)
+
+
 class CapturedRounds:
     """`_start`, `_row_prefill`, `_compiled`, `_round_fn`, `_graph` and `_capture_once` for `SpeculativeEngine`, which
     provides `cuda_graphs`, `profile`, `compile`, `prefill_ahead`, the rounds (`_round`, `_tree_round`, their compiled
@@ -72,7 +87,8 @@ class CapturedRounds:
                        fused_linear_rows=0) -> None:
         """The constructor's compile options (`SpeculativeEngine`'s docstring says what each does and what it was
         measured at), checked and resolved: the backend, inductor's options, `gemv_rows` ("auto" resolved),
-        `gemv_fusion`, and the engine's own inductor pass where the weights are frozen."""
+        `gemv_fusion`, `fused_linear_rows` ("auto" resolved), and the engine's own inductor pass where the weights
+        are frozen."""
         self.compile = bool(compile)
         self._compile_backend = compile if isinstance(compile, str) else "inductor"
         if compile_options and (not compile or self._compile_backend != "inductor"):
@@ -91,8 +107,10 @@ class CapturedRounds:
                              "pass: it needs compile=True with compile_options={'freezing': True} (and the pass's slot "
                              "left to the engine).")
         self.skinny_rows = kernel_rows("skinny_rows", skinny_rows, target.device, compile, self.compile_options)
+        if fused_linear_rows == "auto":
+            fused_linear_rows = auto_fused_linear_rows(compile, target.device, self.compile_options, target.config)
         self.fused_linear_rows = kernel_rows("fused_linear_rows", fused_linear_rows, target.device, compile,
-                                             self.compile_options)
+                                             self.compile_options, auto=True)
         if self.compile_options:
             check_inductor_options(self.compile_options)
         # with frozen weights, q/k/v (and any projections sharing an input) become one GEMM whatever their widths

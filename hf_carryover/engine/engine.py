@@ -78,7 +78,7 @@ class SpeculativeEngine(DecodeLoop, CapturedRounds, LinearRounds, TreeRounds):
                  drafter_attention: str = "auto",
                  rope_table: bool | str = "auto", dynamic_prefill: bool = True, prefill_ahead: bool | int = True,
                  gemv_rows: int | str = "auto", gemv_fusion: bool | str = False, skinny_rows: int = 0,
-                 gated_mlp: bool = False, attention_key_end: bool = False, fused_linear_rows: int = 0):
+                 gated_mlp: bool = False, attention_key_end: bool = False, fused_linear_rows: int | str = "auto"):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -256,14 +256,18 @@ class SpeculativeEngine(DecodeLoop, CapturedRounds, LinearRounds, TreeRounds):
         SiLU(gate) * up inside their down projection's kernel (`gated_mlp.py`): that made the round 41 % dearer
         (2.004 ms; the kernel 22 against 9.8 us, `gated_mlp.py`); off, kept for study.
 
-        fused_linear_rows=N (with compile and freezing; default 0, off): frozen-weight GEMMs of at most N rows (up to
-        64) run on `fused_linear.py`'s Triton kernel, each with the RMSNorm before it, or the SiLU(gate) * up or
-        residual add after it, made in the same kernel where the graph has them (`fold_linears.py`): about 7
-        launches a decoder layer in place of 10. It takes these GEMMs before gemv_rows and skinny_rows do. On an H100
-        (random weights of the reference target's shapes, one machine start, `h100-2026-12-06g`) N=32 made a plain
-        batch-1 step 11.6 % cheaper (0.820 against 0.927 ms) and a tree round 3.2 % dearer (1.401 against 1.358 ms),
-        so N=1 (one-row steps only) is the setting to use; off by default until the compiled fp32 check has run
-        with it on the GPU."""
+        fused_linear_rows=N (with compile and freezing): frozen-weight GEMMs of at most N rows (up to 64) run on
+        `fused_linear.py`'s Triton kernel, each with the RMSNorm before it, or the SiLU(gate) * up or residual add
+        after it, made in the same kernel where the graph has them (`fold_linears.py`): about 7 launches a decoder
+        layer in place of 10. It takes these GEMMs before gemv_rows and skinny_rows do. On an H100 (random weights of
+        the reference target's shapes, one machine start, `h100-2026-12-06g`) N=32 made a plain batch-1 step 11.6 %
+        cheaper (0.820 against 0.927 ms) and a tree round 3.2 % dearer (1.401 against 1.358 ms). On the reference
+        target itself N=1 made a plain step 20.9 % cheaper on 80 MT-Bench prompts (0.725 against 0.916 ms, 1379.9
+        against 1091.4 tok/s) and 20.4 % on 80 HumanEval ones (0.744 against 0.934), and N=8 made a batch-8 step 3.3 %
+        dearer (1.288 against 1.247 ms); the compiled fp32 check of plain steps passed with N=1 (an H100, one machine
+        start, `h100-2026-12-06h`). "auto" (the default) is 1 where that was timed: a CUDA target with Triton and
+        frozen weights whose projections take at most 2048 inputs (`capture.auto_fused_linear_rows`), else 0.
+        `self.fused_linear_rows` holds what was chosen."""
         if not any(rope_table is v for v in (True, False)) and rope_table != "auto":
             raise ValueError(f"rope_table={rope_table!r}: 'auto', True or False.")
         if not isinstance(dynamic_prefill, bool):
