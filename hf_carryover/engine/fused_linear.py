@@ -23,13 +23,13 @@ more, masked). The arithmetic is a GEMM's: products summed in float32 (float64 f
 for float32), one rounding at the end, in another order than cuBLAS.
 
 The engine uses it through `fused_linear_rows` (`fold_linears.py` finds the patterns in frozen compiled graphs;
-"auto", the default, is 1 on CUDA: one-row steps only). On an H100 it made the reference target's batch-1 plain step
-20.9 % cheaper (0.725 against 0.916 ms, 80 MT-Bench prompts, `examples/results/h100-2026-12-06h`); on random weights
-of its shapes with N=32 (`h100-2026-12-06g`) a plain step 11.6 % cheaper (226 kernels against 318) and a tree
-31 + lookup round 3.2 % dearer (1.401 against 1.358 ms: the tiled kernel took 5.7 us a call where cuBLAS took
-3.7-4.2). Its bf16 results equal the eager
-modules' there or lie within one bf16 rounding step of them (another summation order). Off CUDA the kernel runs in
-Triton's interpreter when TRITON_INTERPRET=1 was set before Triton was imported (the CPU tests).
+"auto", the default, is 1 for CUDA targets of the widths where it was timed: one-row steps only). On an H100 it made
+the reference target's batch-1 plain step 20.9 % cheaper (0.725 against 0.916 ms, 80 MT-Bench prompts,
+`examples/results/h100-2026-12-06h`); on random weights of its shapes with N=32 (`h100-2026-12-06g`) a plain step
+11.6 % cheaper (226 kernels against 318) and a tree 31 + lookup round 3.2 % dearer (1.401 against 1.358 ms: the
+tiled kernel took 5.7 us a call where cuBLAS took 3.7-4.2). Its bf16 results equal the eager modules' there or lie
+within one bf16 rounding step of them (another summation order). Off CUDA the kernel runs in Triton's interpreter
+when TRITON_INTERPRET=1 was set before Triton was imported (the CPU tests).
 """
 
 from __future__ import annotations
