@@ -43,18 +43,12 @@ def main():
     p.add_argument("--bare", action="store_true", help="also time each shape with nothing folded (NAME-bare@M)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("fused_linear_bench.py times CUDA graphs: it needs a GPU")
-    from evaluate_tau import environment
-    from gemm_bench import graph_us, try_settings
+    from gemm_bench import graph_us, start_record, try_settings
 
+    record, out = start_record(args)
     from hf_carryover.engine.fused_linear import fused_linear, reference, settings
 
-    torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
-    record = {"command": " ".join(sys.argv), "env": environment(), "shapes": {}}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     shapes = [s for s in SHAPES if s[0] in args.shapes]
     if args.bare:  # nothing folded: the same weights as plain GEMMs (a merged gate/up as its 2N columns)
         shapes += [(f"{name}-bare", 2 * n if glu else n, k, False, False, False) for name, n, k, _, glu, _ in shapes]

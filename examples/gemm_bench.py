@@ -58,6 +58,21 @@ def graph_us(fns, replays: int) -> float:
     return 1e6 * (time.perf_counter() - t) / replays / len(fns)
 
 
+def start_record(args, **fields) -> tuple[dict, Path]:
+    """What a kernel bench starts with: a GPU (its timings are CUDA graphs, `graph_us`), seed 0, and the record it
+    rewrites at `args.out` after every shape: the command, commit, GPU and versions (`env`), `shapes` and `fields`.
+    Returns (record, out path)."""
+    script = Path(sys.argv[0]).name
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} times CUDA graphs: it needs a GPU")
+    from evaluate_tau import environment
+
+    torch.manual_seed(0)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return {"command": " ".join(sys.argv), "env": environment(), "shapes": {}, **fields}, out
+
+
 def try_settings(configs, names, measure) -> tuple[list, list]:
     """Each setting of `configs` (tuples, their fields named by `names`) through `measure(*setting) -> (max_err, us)`.
     A setting Triton cannot build is recorded with its error and the rest still run. Returns (every setting tried, as
@@ -86,17 +101,10 @@ def main():
     p.add_argument("--stages", nargs="+", type=int, default=[2, 3, 4])
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("gemm_bench.py times CUDA graphs: it needs a GPU")
-    from evaluate_tau import environment
-
+    record, out = start_record(args, chain={})
     from hf_carryover.engine.skinny_gemm import silu_mul_mm, skinny_mm
 
-    torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
-    record = {"command": " ".join(sys.argv), "env": environment(), "shapes": {}, "chain": {}}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     shapes = {name: (n, k) for name, n, k in SHAPES if name in args.shapes}
     weights = {name: [torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5 for _ in range(args.layers)]
                for name, (n, k) in shapes.items()}
