@@ -25,7 +25,7 @@ import torch
 
 from . import fused_linear
 from .fuse_projections import _constant_weight_mms, _equal_slices, _rms_norm
-from .fx_nodes import constant_node, drop_constant, is_call, node_maker
+from .fx_nodes import constant_node, drop_constant, erase_unused, is_call, node_maker
 
 _aten = torch.ops.aten
 _CONVERT = torch.ops.prims.convert_element_type.default
@@ -147,19 +147,6 @@ def _rows_of(graph, call, fake_mode, w, swap_halves=False):
     return constant_node(graph, f"_rows_{w.target}" + "_swapped" * swap_halves, value.contiguous(), fake_mode)
 
 
-def _erase_dead(graph, nodes) -> None:
-    """Erase the nodes of `nodes` (and what they alone read, within `nodes`) that nothing reads any more."""
-    pending = list(nodes)
-    changed = True
-    while changed:
-        changed = False
-        for node in list(pending):
-            if node.graph is graph and not node.users:
-                graph.erase_node(node)
-                pending.remove(node)
-                changed = True
-
-
 def fold_linears(graph, rows: int) -> dict:
     """Hand every constant-weight mm of at most `rows` rows to `fused_linear` with what it can fold (module
     docstring). Returns {"linears": mm nodes handed over, "norms", "glus", "residuals": patterns folded}."""
@@ -192,12 +179,12 @@ def fold_linears(graph, rows: int) -> dict:
             with graph.inserting_after(out):
                 shaped = call(_aten.reshape.default, out, list(prod.meta["val"].shape))
             prod.replace_all_uses_with(shaped)
-            _erase_dead(graph, [*reversed(glu_nodes), node])
+            erase_unused([*reversed(glu_nodes), node])
         elif add is not None:
             with graph.inserting_after(out):
                 shaped = call(_aten.reshape.default, out, list(add.meta["val"].shape))
             add.replace_all_uses_with(shaped)
-            _erase_dead(graph, [add, *views[::-1], node])
+            erase_unused([add, *views[::-1], node])
         else:
             node.replace_all_uses_with(out)
             graph.erase_node(node)

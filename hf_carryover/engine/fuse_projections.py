@@ -53,7 +53,7 @@ from __future__ import annotations
 import torch
 
 from . import fx_nodes, rotate_half, skinny_gemm
-from .fx_nodes import constant_node, drop_constant, is_call, node_maker
+from .fx_nodes import constant_node, drop_constant, erase_unused, is_call, node_maker
 
 try:  # a CustomGraphPass with a uuid keeps inductor's FX graph cache usable
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -297,9 +297,7 @@ class _FoldedNorm:
         return call(aten.mul.Tensor, w3, y) if self.weight_first else call(aten.mul.Tensor, y, w3)
 
     def erase_dead(self):
-        for node in self.chain:  # the norm's own nodes, from its output back to the mean
-            if not node.users:
-                node.graph.erase_node(node)
+        erase_unused(self.chain)  # the norm's own nodes that nothing reads any more
 
 
 def _rms_norm(x):

@@ -47,4 +47,15 @@ def drop_constant(graph, node) -> None:
         delattr(gm, node.target)
 
 
-__all__ = ["constant_node", "drop_constant", "is_call", "node_maker"]
+def erase_unused(nodes) -> None:
+    """Erase each node of `nodes` that nothing reads, repeated until none is left to erase (a node read only by
+    another of `nodes` goes once that one has): what a rewrite leaves of the pattern it replaced, in any order."""
+    pending = list(dict.fromkeys(nodes))
+    while dead := [node for node in pending if not node.users]:
+        for node in dead:
+            node.graph.erase_node(node)
+            pending.remove(node)
+
+
+__all__ = ["constant_node", "drop_constant", "erase_unused", "is_call", "node_maker"]
+
