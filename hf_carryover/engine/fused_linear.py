@@ -45,6 +45,20 @@ MAX_ROWS = 64
 if triton is not None:
 
     @triton.jit
+    def _epilogue(acc, acc_up, r, GLU: tl.constexpr, RESID: tl.constexpr, out_t: tl.constexpr, acc_t: tl.constexpr):
+        """Both kernels' end, with the eager modules' roundings: the projection rounded to the output dtype; with
+        GLU silu(gate) rounded, times up rounded, rounded (as the eager MLP's kernels store them); with RESID the
+        residual plus the rounded projection, rounded (eager adds two stored tensors). `r` is unread without RESID."""
+        y = acc.to(out_t)
+        if GLU:
+            g = y.to(acc_t)
+            s = (g / (1.0 + tl.exp(-g))).to(out_t)
+            y = (s.to(acc_t) * acc_up.to(out_t).to(acc_t)).to(out_t)
+        if RESID:
+            y = (r.to(acc_t) + y.to(acc_t)).to(out_t)
+        return y
+
+    @triton.jit
     def _one_row_kernel(x_ptr, nw_ptr, w_ptr, r_ptr, y_ptr, N, eps, sxk, swn, swk, srn,
                         K: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr,
                         GLU: tl.constexpr, RESID: tl.constexpr, F64: tl.constexpr):
@@ -68,15 +82,13 @@ if triton is not None:
             x = (nw.to(acc_t) * (xf * inv).to(x.dtype).to(acc_t)).to(x.dtype)
         xa = x.to(acc_t)[None, :]
         acc = tl.sum(w.to(acc_t) * xa, 1)  # [BLOCK_N]
-        out_t = y_ptr.dtype.element_ty
-        y = acc.to(out_t)
-        if GLU:  # silu(gate) rounded, times up rounded, rounded: as the eager MLP's kernels store them
-            g = y.to(acc_t)
-            s = (g / (1.0 + tl.exp(-g))).to(out_t)
-            y = (s.to(acc_t) * tl.sum(wu.to(acc_t) * xa, 1).to(out_t).to(acc_t)).to(out_t)
-        if RESID:  # residual + the projection, the projection rounded first (eager adds two stored tensors)
+        acc_up = acc
+        if GLU:
+            acc_up = tl.sum(wu.to(acc_t) * xa, 1)
+        r = acc
+        if RESID:
             r = tl.load(r_ptr + rn * srn, mask=col_ok, other=0.0)
-            y = (r.to(acc_t) + y.to(acc_t)).to(out_t)
+        y = _epilogue(acc, acc_up, r, GLU, RESID, y_ptr.dtype.element_ty, acc_t)
         tl.store(y_ptr + rn, y, mask=col_ok)
 
     @triton.jit
@@ -128,16 +140,11 @@ if triton is not None:
                     acc_up = tl.dot(x, wu, acc_up, input_precision="ieee")
                 else:
                     acc_up = tl.dot(x, wu, acc_up)
-        out_t = y_ptr.dtype.element_ty
-        y = acc.to(out_t)
-        if GLU:
-            g = y.to(acc_t)
-            s = (g / (1.0 + tl.exp(-g))).to(out_t)
-            y = (s.to(acc_t) * acc_up.to(out_t).to(acc_t)).to(out_t)
+        r = acc
         if RESID:
             r = tl.load(r_ptr + rm[:, None] * srm + rn[None, :] * srn, mask=row_ok[:, None] & col_ok[None, :],
                         other=0.0)
-            y = (r.to(acc_t) + y.to(acc_t)).to(out_t)
+        y = _epilogue(acc, acc_up, r, GLU, RESID, y_ptr.dtype.element_ty, acc_t)
         tl.store(y_ptr + rm[:, None] * sym + rn[None, :], y, mask=row_ok[:, None] & col_ok[None, :])
 
 
