@@ -103,7 +103,7 @@ def _data_parallel_denominator(denom):
     token on a rank of short responses more than one on a rank of long ones, so 2 GPUs at 8 sequences each train
     (and log) a different mean than 1 GPU at 16. The 2026-11-30e check on the real target showed the 2-GPU curve
     0.04-0.35 below the 1-GPU one at every logged step from step 20 on, on the same batches. Dividing by the mean
-    weight sum instead makes the averaged gradient the single-process one exactly (`tests/test_scripts.py`, 2 CPU
+    weight sum instead makes the averaged gradient the single-process one exactly (`tests/test_train_scripts.py`, 2 CPU
     processes against 1). Re-run on the GPU with it (2026-11-30f), the mean gap fell from 0.101 to 0.064 and the
     curves cross after step 100.
     Only while training (gradients on): evaluation pools its own way, and a collective there is not needed."""
