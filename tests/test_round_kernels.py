@@ -3,7 +3,8 @@ vocabulary top-R (`vocab_topk.py`) against an exact ranking, the few-row GEMM (`
 engines that use them (`draft_topk="triton"`, `skinny_rows`) against plain greedy decoding and the torch engine.
 
 As in `test_triton_attention.py`, the interpreter must be on before Triton is imported, so the checks run in a fresh
-interpreter; the models are tiny."""
+interpreter; the models are tiny. `fused_linear`'s kernels are also compiled for sm_90 (no GPU needed), which the
+interpreter cannot stand in for."""
 
 import pytest
 from test_triton_attention import _run
@@ -231,6 +232,42 @@ def test_fused_linear_equals_the_eager_modules_and_refuses_bad_shapes():
     errors = out["errors"]
     assert len(errors) == 5 and "at most 64 rows" in errors[0] and "[M, K] and [N, K]" in errors[1], out
     assert "an even count" in errors[2] and "norm_weight (7,)" in errors[3] and "residual (2, 5)" in errors[4], out
+
+
+def test_fused_linear_kernels_compile_for_the_h100():
+    """Both `fused_linear` kernels, every fold, bf16 (and float32 with all folds: the IEEE products), through Triton's
+    compiler for sm_90 down to a cubin (Triton's own ptxas; no GPU needed). Why: the interpreter runs the kernels as
+    Python, so an error of Triton's GPU frontend (a type that changes across a branch, a helper's constexpr
+    argument) passes the interpreter tests and fails only on the machine. Numbers are the GPU's to check
+    (`trainer/gpu_kernel_sanity.py`)."""
+    import itertools
+
+    compiler = pytest.importorskip("triton.compiler")
+    from triton.backends.compiler import GPUTarget
+
+    from hf_carryover.engine import fused_linear as fl
+
+    ptrs = ("x_ptr", "nw_ptr", "w_ptr", "r_ptr", "y_ptr")
+    kernels = {  # (kernel, its runtime arguments, the constants a call fixes besides the folds)
+        "one_row": (fl._one_row_kernel, ("N", "sxk", "swn", "swk", "srn"), dict(K=576, KP=1024, BLOCK_N=4)),
+        "rows": (fl._rows_kernel, ("M", "N", "sxm", "sxk", "swn", "swk", "srm", "srn", "sym"),
+                 dict(K=576, BLOCK_M=32, BLOCK_N=16, BLOCK_K=256, STAGES=3))}
+    built = 0
+    for (name, (kernel, ints, consts)), dtype, folds in itertools.product(kernels.items(), ("bf16", "fp32"),
+                                                                            itertools.product((False, True), repeat=3)):
+        if dtype == "fp32" and not all(folds):
+            continue
+        flags = dict(zip(("NORM", "GLU", "RESID"), folds), F64=False, **({"IEEE": dtype == "fp32"} if name == "rows"
+                                                                          else {}))
+        constexprs = {**consts, **flags}
+        signature = {**{p: "*" + dtype for p in ptrs}, **{i: "i32" for i in ints}, "eps": "fp32",
+                     **{c: "constexpr" for c in constexprs}}
+        signature = {a: signature[a] for a in kernel.arg_names}  # the kernel's argument order
+        binary = compiler.compile(compiler.ASTSource(kernel, signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+        assert binary.asm["cubin"], (name, dtype, folds)
+        built += 1
+    assert built == 18
 
 
 def test_engines_with_folded_linears_equal_plain_greedy():
