@@ -234,7 +234,7 @@ def test_fused_linear_equals_the_eager_modules_and_refuses_bad_shapes():
     assert "an even count" in errors[2] and "norm_weight (7,)" in errors[3] and "residual (2, 5)" in errors[4], out
 
 
-def test_fused_linear_kernels_compile_for_the_h100():
+def test_fused_linear_kernels_compile_for_hopper():
     """Both `fused_linear` kernels, every fold, bf16 (and float32 with all folds: the IEEE products), through Triton's
     compiler for sm_90 down to a cubin (Triton's own ptxas; no GPU needed). Why: the interpreter runs the kernels as
     Python, so an error of Triton's GPU frontend (a type that changes across a branch, a helper's constexpr

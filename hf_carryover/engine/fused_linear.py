@@ -29,7 +29,8 @@ the reference target's batch-1 plain step 20.9 % cheaper (0.725 against 0.916 ms
 11.6 % cheaper (226 kernels against 318) and a tree 31 + lookup round 3.2 % dearer (1.401 against 1.358 ms: the
 tiled kernel took 5.7 us a call where cuBLAS took 3.7-4.2). Its bf16 results equal the eager modules' there or lie
 within one bf16 rounding step of them (another summation order). Off CUDA the kernel runs in Triton's interpreter
-when TRITON_INTERPRET=1 was set before Triton was imported (the CPU tests).
+when TRITON_INTERPRET=1 was set before Triton was imported (the CPU tests); the tests also compile both kernels for
+sm_90 with Triton's own ptxas, which needs no GPU but catches what the interpreter, running them as Python, cannot.
 """
 
 from __future__ import annotations
