@@ -49,7 +49,8 @@ if triton is not None:
     def _epilogue(acc, acc_up, r, GLU: tl.constexpr, RESID: tl.constexpr, out_t: tl.constexpr, acc_t: tl.constexpr):
         """Both kernels' end, with the eager modules' roundings: the projection rounded to the output dtype; with
         GLU silu(gate) rounded, times up rounded, rounded (as the eager MLP's kernels store them); with RESID the
-        residual plus the rounded projection, rounded (eager adds two stored tensors). `r` is unread without RESID."""
+        residual plus the rounded projection, rounded (eager adds two stored tensors). `acc_up` is read only with GLU
+        and `r` only with RESID; without them the callers pass `acc` (Triton wants every argument bound)."""
         y = acc.to(out_t)
         if GLU:
             g = y.to(acc_t)
