@@ -58,4 +58,3 @@ def erase_unused(nodes) -> None:
 
 
 __all__ = ["constant_node", "drop_constant", "erase_unused", "is_call", "node_maker"]
-
