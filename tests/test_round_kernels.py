@@ -240,9 +240,12 @@ def test_fused_linear_kernels_compile_for_hopper():
     Python, so an error of Triton's GPU frontend (a type that changes across a branch, a helper's constexpr
     argument) passes the interpreter tests and fails only on the machine. Numbers are the GPU's to check
     (`trainer/gpu_kernel_sanity.py`)."""
+    import inspect
     import itertools
 
     compiler = pytest.importorskip("triton.compiler")
+    if "constexprs" not in inspect.signature(compiler.ASTSource).parameters:  # older Triton: `constants`
+        pytest.skip(f"Triton {pytest.importorskip('triton').__version__}'s ASTSource takes no `constexprs`")
     from triton.backends.compiler import GPUTarget
 
     from hf_carryover.engine import fused_linear as fl
