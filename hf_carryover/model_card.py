@@ -49,7 +49,8 @@ Loading the drafter's code (`trust_remote_code=True`) hooks `generate()` so that
 runs the block drafter; transformers >= 5.17 is required. Batch size 1 (transformers' assisted decoding).
 Adding `prompt_lookup_num_tokens=15` lets rounds whose context ends in a 3- or 4-gram seen earlier copy what followed
 it instead of drafting (context lookup; lossless like drafting). It pays where the target repeats itself. On a CPU,
-where every verified row costs, `num_assistant_tokens=4` shortens drafted rounds only (lookups still copy up to 15).{tree_text}
+where every verified row costs, `num_assistant_tokens=4` shortens drafted rounds only
+(lookups still copy up to 15).{tree_text}
 
 ## Target compatibility
 
