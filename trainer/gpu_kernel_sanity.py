@@ -74,21 +74,22 @@ for m, n, k in ((32, 576, 1536), (16, 576, 1536), (64, 576, 1536)):
     case(f"silu_mul_{m}x{n}x{k}", lambda: gated(m, n, k))
 
 
-def folded(m, n, k, norm, glu, resid):
+def folded(m, n, k, norm, glu, resid, late=False):
     """`fused_linear` against the eager modules' computation (`fused_linear.reference`): bf16 against bf16 eager
-    (relative to the output's largest value), fp32 against float64 (relative error; the norm itself is float32)."""
+    (relative to the output's largest value), fp32 against float64 (relative error; the norm itself is float32).
+    `late`: the tiled kernel's `late_norm` (`folded_late...`), whose bf16 roundings are not the eager module's."""
     for dtype, tag in ((torch.bfloat16, ""), (torch.float32, "32")):
         x = torch.randn(m, k, device="cuda").to(dtype)
         w = (torch.randn(2 * n if glu else n, k, device="cuda") / k ** 0.5).to(dtype)
         nw = (1 + 0.1 * torch.randn(k, device="cuda")).to(dtype) if norm else None
         r = torch.randn(m, n, device="cuda").to(dtype) if resid else None
-        y = fused_linear(x, w, nw, 1e-5, r, glu, *fused_settings(m, n, k, glu))
+        y = fused_linear(x, w, nw, 1e-5, r, glu, *fused_settings(m, n, k, glu), late_norm=late)
         if dtype == torch.bfloat16:
             ref = fused_reference(x, w, nw, 1e-5, r, glu).float()
         else:
             ref = fused_reference(x.double(), w.double(), None if nw is None else nw.double(), 1e-5,
                                   None if r is None else r.double(), glu)
-        res[f"folded{tag}_{m}x{n}x{k}{'_norm' * norm}{'_glu' * glu}{'_resid' * resid}_rel"] = (
+        res[f"folded{'_late' * late}{tag}_{m}x{n}x{k}{'_norm' * norm}{'_glu' * glu}{'_resid' * resid}_rel"] = (
             (y.to(ref.dtype) - ref).abs().max() / ref.abs().max()).item()
 
 
@@ -99,4 +100,6 @@ for m in (1, 8, 32):
                                    (1536, 576, True, True, False), (576, 1536, False, False, True),
                                    (49152, 576, True, False, False)):
         case(f"folded_{m}x{n}x{k}", lambda: folded(m, n, k, norm, glu, resid))
+        if norm and m > 1:
+            case(f"folded_late_{m}x{n}x{k}", lambda: folded(m, n, k, norm, glu, resid, late=True))
 print(json.dumps(res))

@@ -78,7 +78,8 @@ class SpeculativeEngine(DecodeLoop, CapturedRounds, LinearRounds, TreeRounds):
                  drafter_attention: str = "auto",
                  rope_table: bool | str = "auto", dynamic_prefill: bool = True, prefill_ahead: bool | int = True,
                  gemv_rows: int | str = "auto", gemv_fusion: bool | str = False, skinny_rows: int = 0,
-                 gated_mlp: bool = False, attention_key_end: bool = False, fused_linear_rows: int | str = "auto"):
+                 gated_mlp: bool = False, attention_key_end: bool = False, fused_linear_rows: int | str = "auto",
+                 fused_linear_late_norm: bool = False):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -261,13 +262,17 @@ class SpeculativeEngine(DecodeLoop, CapturedRounds, LinearRounds, TreeRounds):
         after it, made in the same kernel where the graph has them (`fold_linears.py`): about 7 launches a decoder
         layer in place of 10. It takes these GEMMs before gemv_rows and skinny_rows do. On an H100 (random weights of
         the reference target's shapes, one machine start, `h100-2026-12-06g`) N=32 made a plain batch-1 step 11.6 %
-        cheaper (0.820 against 0.927 ms) and a tree round 3.2 % dearer (1.401 against 1.358 ms). On the reference
+        cheaper (0.820 against 0.927 ms) and a tree round 3.2 % dearer (1.401 against 1.358 ms), the 32-row vocabulary
+        head included: alone it took 62.9 us on the kernel against 24.1 on cuBLAS (`h100-2026-12-07`), so multi-row
+        GEMMs wider than `fused_linear.TILED_MAX_N` now stay on cuBLAS (not yet timed as a round). On the reference
         target itself N=1 made a plain step 20.9 % cheaper on 80 MT-Bench prompts (0.725 against 0.916 ms, 1379.9
         against 1091.4 tok/s) and 20.4 % on 80 HumanEval ones (0.744 against 0.934), and N=8 made a batch-8 step 3.3 %
         dearer (1.288 against 1.247 ms); the compiled fp32 check of plain steps passed with N=1 (an H100, one machine
         start, `h100-2026-12-06h`). "auto" (the default) is 1 where that was timed: a CUDA target with Triton and
         frozen weights whose projections take at most 2048 inputs (`capture.auto_fused_linear_rows`), else 0.
-        `self.fused_linear_rows` holds what was chosen."""
+        `self.fused_linear_rows` holds what was chosen. fused_linear_late_norm=True (with fused_linear_rows of 2 or
+        more; default False, for timing) has those of 2 rows and more apply the norm's 1/rms after the products
+        (`fused_linear.py`'s `late_norm`: no pass over x first, other bf16 roundings than the eager norm's)."""
         if not any(rope_table is v for v in (True, False)) and rope_table != "auto":
             raise ValueError(f"rope_table={rope_table!r}: 'auto', True or False.")
         if not isinstance(dynamic_prefill, bool):
@@ -337,7 +342,7 @@ class SpeculativeEngine(DecodeLoop, CapturedRounds, LinearRounds, TreeRounds):
         self.round_hook = None
         self.profile = profile
         self._setup_compile(compile, compile_options, gemv_rows, gemv_fusion, target, skinny_rows,
-                            fused_linear_rows)  # (`capture.py`)
+                            fused_linear_rows, fused_linear_late_norm)  # (`capture.py`)
         self.cuda_graphs = cuda_graphs
         self.last_mode: str | None = None
         self.timing = {"draft": 0.0, "verify": 0.0, "other": 0.0, "rounds": 0}

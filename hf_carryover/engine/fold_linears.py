@@ -6,8 +6,9 @@ projection another, and its own attempt to fold the norm into a reduction-writte
 mean for every output column and made a step slower (`h100-2026-12-05d`, `h100-2026-12-05f`).
 
 `fold_linears(graph, rows)` runs in the engine's post-grad pass after q/k/v (and gate/up) were merged
-(`fuse_projections.py`). For every `mm(x [M, K], W [K, N])` with a constant W and M <= rows it looks for three
-patterns, in the forms transformers' Llama-style layers take after inductor's decompositions:
+(`fuse_projections.py`). For every `mm(x [M, K], W [K, N])` with a constant W and M <= rows (not a multi-row one
+wider than `fused_linear.TILED_MAX_N`: a vocabulary head, faster on cuBLAS) it looks for three patterns, in the
+forms transformers' Llama-style layers take after inductor's decompositions:
   * x made by an RMSNorm (`fuse_projections._rms_norm`: `reshape(w * cast(h * rsqrt(mean(h^2) + eps)))`): the kernel
     reads h and the norm's weight, and the norm's nodes go;
   * the mm read only as two equal column halves (two slices, or inductor's `split` of its own gate/up merge, either
@@ -147,11 +148,13 @@ def _rows_of(graph, call, fake_mode, w, swap_halves=False):
     return constant_node(graph, f"_rows_{w.target}" + "_swapped" * swap_halves, value.contiguous(), fake_mode)
 
 
-def fold_linears(graph, rows: int) -> dict:
+def fold_linears(graph, rows: int, late_norm: bool = False) -> dict:
     """Hand every constant-weight mm of at most `rows` rows to `fused_linear` with what it can fold (module
-    docstring). Returns {"linears": mm nodes handed over, "norms", "glus", "residuals": patterns folded}."""
+    docstring); `late_norm`: the folded norms of 2 rows and more take `fused_linear`'s late_norm. Returns
+    {"linears": mm nodes handed over, "norms", "glus", "residuals": patterns folded, "late_norms": norms of them
+    folded late}."""
     op = torch.ops.hf_carryover.fused_linear.default
-    counts = {"linears": 0, "norms": 0, "glus": 0, "residuals": 0}
+    counts = {"linears": 0, "norms": 0, "glus": 0, "residuals": 0, "late_norms": 0}
     for node, x, w, xv, wv in _constant_weight_mms(graph):
         m, (k, n) = xv.shape[0], wv.shape
         if m > min(rows, fused_linear.MAX_ROWS) or fused_linear.available(xv.device) or xv.dtype != wv.dtype:
@@ -167,14 +170,17 @@ def fold_linears(graph, rows: int) -> dict:
         prod, glu_nodes, up_first = _glu_product(node)
         add, other, views = (None, None, None) if prod is not None else _residual_add(node)
         out_n = n // 2 if prod is not None else n
+        if out_n > fused_linear.TILED_MAX_N and m > 1:  # a multi-row vocabulary head: cuBLAS was faster
+            continue
         # where the new nodes go: before the node they replace, which comes after everything they read (the
         # residual may be computed after the mm, e.g. where a layer adds its input back last)
+        late = bool(late_norm and m > 1 and norm is not None)
         with graph.inserting_before(prod if prod is not None else add if add is not None else node):
             xin = call(_aten.reshape.default, h, [m, k]) if norm is not None else x  # [..., K] -> [M, K]
             wt = _rows_of(graph, call, xv.fake_mode, w, up_first)  # [N, K], K contiguous: the kernel reads W's rows
             resid = call(_aten.reshape.default, other, [m, n]) if add is not None else None  # [..., N] -> [M, N]
             out = call(op, xin, wt, norm.weight if norm is not None else None, norm.eps if norm is not None else 1e-6,
-                       resid, prod is not None, *fused_linear.settings(m, out_n, k, prod is not None))
+                       resid, prod is not None, *fused_linear.settings(m, out_n, k, prod is not None), late)
         if prod is not None:
             with graph.inserting_after(out):
                 shaped = call(_aten.reshape.default, out, list(prod.meta["val"].shape))
@@ -197,6 +203,7 @@ def fold_linears(graph, rows: int) -> dict:
         counts["norms"] += norm is not None
         counts["glus"] += prod is not None
         counts["residuals"] += add is not None
+        counts["late_norms"] += late
     return counts
 
 
