@@ -8,7 +8,7 @@ cuBLAS's bare GEMM of the same shape is timed beside it (`cublas_mm_us`: without
 With --bare each shape is also timed on the kernel with nothing folded (`NAME-bare@M`: the same weight as one plain
 GEMM, a merged gate/up's 2N columns), which splits what the folds cost from what the tiled GEMM itself costs: at 8
 and 32 rows the folded kernel lost to cuBLAS in whole rounds (`h100-2026-12-06g`, `h100-2026-12-06h`), and in
-`h100-2026-12-07` the tiled GEMM alone was near cuBLAS while the norm fold cost 1.0-1.7 us a call. With --late_norm
+`h100-2026-12-07` the tiled GEMM alone was near cuBLAS while the norm fold cost 1.0-2.3 us a call. With --late_norm
 each shape with a norm is also timed with `fused_linear(late_norm=True)` at 2 rows and more (`NAME-late@M`).
 
     python examples/fused_linear_bench.py --rows 1 8 32 --out fused_linear_bench.json
