@@ -240,11 +240,11 @@ def test_fused_linear_equals_the_eager_modules_and_refuses_bad_shapes():
 
 
 def test_fused_linear_kernels_compile_for_hopper():
-    """Both `fused_linear` kernels, every fold, bf16 (and float32 with all folds: the IEEE products), through Triton's
-    compiler for sm_90 down to a cubin (Triton's own ptxas; no GPU needed). Why: the interpreter runs the kernels as
-    Python, so an error of Triton's GPU frontend (a type that changes across a branch, a helper's constexpr
-    argument) passes the interpreter tests and fails only on the machine. Numbers are the GPU's to check
-    (`trainer/gpu_kernel_sanity.py`)."""
+    """Both `fused_linear` kernels, every fold (the tiled one's norms also late), bf16 (and float32 with all folds: the
+    IEEE products), through Triton's compiler for sm_90 down to a cubin (Triton's own ptxas; no GPU needed). Why: the
+    interpreter runs the kernels as Python, so an error of Triton's GPU frontend (a type that changes across a branch, a
+    helper's constexpr argument) passes the interpreter tests and fails only on the machine. Numbers are the GPU's to
+    check (`trainer/gpu_kernel_sanity.py`)."""
     import inspect
     import itertools
 
