@@ -180,7 +180,10 @@ def settings(m: int, n: int, k: int, glu: bool = False) -> tuple[int, int, int]:
     (n > 8192), 4 there: the fastest of 4/8/16/32 columns x 2/4/8 warps for each of the reference target's folded
     projections on an H100 (`examples/fused_linear_bench.py`, `h100-2026-12-06g`; a layer's four 10.8 us against
     12.4 with 8 columns). More rows: `skinny_gemm.settings` (16 columns, K in steps of 256, 512 from K = 1536; 2
-    warps up to 16 rows, 4 above), untimed on this kernel."""
+    warps up to 16 rows, 4 above). At 32 rows these were within 8 % of the best of 16/32/64 columns x K steps of
+    128/256 x 4/8 warps for the folded q/k/v, o and gate/up (`h100-2026-12-07`). That sweep tried neither 2 warps nor
+    K steps of 512 (so neither 16 rows and fewer nor down), and these took the 32-row head twice the best time (62.9
+    against 31.2 us); the engine no longer sends heads wider than `TILED_MAX_N` here."""
     if m == 1:
         return 4, 0, 4 if glu or n > 8192 else 8
     return 16, 256 if k <= 1024 else 512, 2 if m <= 16 else 4
