@@ -140,13 +140,12 @@ if triton is not None:
                         other=0.0)  # [BLOCK_M, BLOCK_K]
             if NORM:
                 nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0)  # [BLOCK_K]
-                if LATE_NORM:
+                if LATE_NORM:  # 1/rms after the products
                     xf = x.to(tl.float32)
                     ss += tl.sum(xf * xf, 1)
-                    x = (nw[None, :].to(acc_t) * x.to(acc_t)).to(x.dtype)
                 else:
-                    xn = (x.to(tl.float32) * inv[:, None]).to(x.dtype)
-                    x = (nw[None, :].to(acc_t) * xn.to(acc_t)).to(x.dtype)
+                    x = (x.to(tl.float32) * inv[:, None]).to(x.dtype)
+                x = (nw[None, :].to(acc_t) * x.to(acc_t)).to(x.dtype)
             w = tl.load(w_ptr + rn[None, :] * swn + kk[:, None] * swk, mask=col_ok[None, :] & k_ok[:, None],
                         other=0.0)  # [BLOCK_K, BLOCK_N]: w's rows read as columns
             if IEEE:  # float32 inputs: IEEE products, not TF32 (so fp32 decoding can be checked exactly)
