@@ -292,6 +292,10 @@ def test_benchmark_passes_a_specs_engine_keys_and_records_them(tmp_path):
     from hf_carryover.engine.engine import SpeculativeEngine
     params = inspect.signature(SpeculativeEngine).parameters  # a spec key the engine does not take fails late, on a GPU
     assert [k for k in ENGINE_KEYS if k not in params] == []
+    # and an engine option missing from ENGINE_KEYS would reach from_pretrained as a config field, not the engine:
+    # every argument but those benchmark.py sets itself must be a spec key
+    own = {"target", "drafter", "max_len", "profile", "cuda_graphs", "compile", "compile_options"}
+    assert [k for k in params if k not in ENGINE_KEYS and k not in own] == []
 
 
 def test_benchmark_spec_inductor_keys_compile_that_drafters_engine_with_them(tmp_path, monkeypatch, capsys):
