@@ -34,58 +34,8 @@
 #           GPU 1 or after it: benchmark.py engine rows), both appending to results/vllm/bench/bench_raw.jsonl. Needs
 #           vllmstash's install and the converted target (train1), or .device/p2 + .whl carried to convert it here.
 #           Drafters VLLM_DRAFTERS (default dflash-baseline) from runs/NAME/final of this machine, else the stashed ones.
-# Run of 2026-11-29 (examples/results/h200-2026-11-29b/): stash, train1, stage2 (S2_STEPS=300), eval (its τ steps
-# ran out of time: the fp32 offline replay takes ~100 s per drafter and dataset with these weak drafters),
-# fetch, fetch, tau (the same command typed inline), and a benchmark typed inline (see that folder's README).
-# Run of 2026-11-30 (examples/results/h200-2026-11-30/): stash; TYPES=dflash S1_MINUTES=6 train1 (stage 1 on both GPUs);
-# TYPES=dflash S2_MINUTES=4 stage2 + tau in one call; vllmstash + vllm (VLLM_DRAFTERS=dflash-baseline
-# ENGINE_ONLY=dflash-carryover) in one call carrying only .vllm/bundle; ~28 device-minutes with an inline benchmark.
-# Second run of 2026-11-30 (examples/results/h200-2026-11-30b/): stash; stashinit (.init/dflash-stage1); TYPES=dflash
-# S1_MINUTES=6 S1_INIT=dflash-stage1 train1; stage2 (S2_MINUTES=3.5) + tau in one call; vllmstash; vllm with
-# ENGINE_FLAGS=--compile VLLM_GPU1_EXTRA=1; engine (the compiled rows vllm's box cut); ~28 device-minutes.
-# Third run of 2026-11-30 (examples/results/h200-2026-11-30c/): stash; stashinit; vllmstash (.vllm/drafters); prep +
-# stage2 (Carryover variant, GPU 0) beside engine (GPU 1); tau; engine (HF rows, T=1); two stage2 variants; tau.
-# Fourth run of 2026-11-30 (examples/results/h200-2026-11-30d/): stash; stashinit; TYPES=dflash S1_MINUTES=6
-# S1_INIT=dflash-stage1 train1 (the third stage-1 run); stage2 (S2_MINUTES=3.4) + tau in one call; two engine calls
-# (CHECK_DRAFTER check, T=1 compiled rows, HF rows); gpu_engine_check.py --sampled typed inline; ~28 device-minutes.
-# Fifth run of 2026-11-30 (examples/results/h200-2026-11-30e/): stash; stashinit + vllmstash (.init/dflash-stage1,
-# .vllm/drafters/dflash-baseline); vllmstash (dflash-carryover); prep + tau + engine (T=0 and T=1 compiled rows) in one
-# call; ddp beside gentau; engine (reversed drafters, throughput, HF rows); stash + ddp on a fresh machine (~29 minutes).
-# Sixth run of 2026-11-30 (examples/results/h200-2026-11-30f/): stash; stashinit (.init/dflash-stage1, assets/prompts);
-# prep + (ddp beside regen) with REGEN_SETS="1:1:0 1:2:0 0:0:8000"; TYPES=dflash S1_MINUTES=7 S1_INIT=dflash-stage1
-# TRAIN_EXTRA="--per_device_train_batch_size 24 --learning_rate 8e-4" train1 (21288 responses); stage2 (S2_STEPS=370)
-# + tau (T=0); engine beside tau (T=1); ~28 device-minutes.
-# Seventh run of 2026-11-30 (examples/results/h200-2026-11-30g/): stash; stashinit + vllmstash (.init/dflash-stage1,
-# .vllm/drafters/dflash-baseline, runs/regen); prep + two gated stage2 phases side by side (S2_INIT=dflash-stage1
-# S2_RUNS=carryover S2_GPU=0/1, CARRY_EXTRA="--carryover_gate -6" / "-3") + tau; three engine calls (one beside a T=1
-# tau); a 600-step stage2 pair + tau; ~25 device-minutes.
-# Eighth run of 2026-11-30 (examples/results/h200-2026-11-30h/), no training: vllmstash
-# (.device/p1, assets/prompts); vllmstash (.vllm/drafters: the two shipped drafters); prep + tau with lookup=15 entries;
-# four engine calls with --lookup 15 (engine_lookup / engine_pld / hf_spec_lookup rows); ~26 device-minutes, two starts.
-# Run of 2026-12-01 (examples/results/h200-2026-12-01/): vllmstash (.device/p1, assets/prompts); vllmstash (the
-# Carryover drafter); one engine call: HF rows with static and dynamic rounds, gencheck and profile (~8.5 minutes).
-# Second run of 2026-12-01 (examples/results/h200-2026-12-01b/), one H200: vllmstash x2; engine (check with
-# CHECK_LOOKUP=15, compiled b1 rows with engine_lookup_always_draft); a fresh start; engine (check, throughput with
-# lookup); engine (HF rows with hf_own_dflash); engine (4B projection, graphs and compile); a fresh start and an inline
-# gpu_engine_check.py --lookup 15 (30 minutes). A job's drafter field may be empty ("engine_ar engine||mtbench|...").
-# Third run of 2026-12-01 (examples/results/h200-2026-12-01c/), one H200: three times vllmstash x2 (.device/p1 +
-# assets/prompts; .vllm/drafters/dflash-carryover-gated) and an engine call with E0="replaydiff" (REPLAY_MODES,
-# REPLAY_CONFIGS, REPLAY_PAIRS, REPLAY_PROMPTS, REPLAY_PROBE as in that README); then an inline tiny compile check.
-# Fourth run of 2026-12-01 (examples/results/h200-2026-12-01d/), one H200: vllmstash (.vllm/bundle); vllmstash (.device/p1,
-# assets/prompts); stashinit (.init/dflash-stage1); REGEN_ENGINE=vllm regen + train1; REGEN_SETS=eval regen + TYPES=dflash
-# S1_INIT=dflash-stage1 train1; stage2 + tau; engine. On a one-GPU machine the phases put GPU 1's work on GPU 0 (gpu()).
-# Run of 2026-12-02 (examples/results/h200-2026-12-02/), one H200, the four-drafter comparison from scratch: vllmstash
-# (.vllm/bundle); vllmstash (.device/p1, assets/prompts); REGEN_ENGINE=vllm REGEN_SETS="0:0:0 1:2:0 eval" regen;
-# TYPES="dflash markov" S1_STEPS=600 train1; stage2 (S2_STEPS=120, gate -6) + tau; the DFlash Carryover stage 2 again
-# (out of memory beside the other three runs; stage2 now runs one pair at a time there) + tau; tau at T=1 (27 minutes).
-# Second run of 2026-12-02 (examples/results/h200-2026-12-02b/), one H200, no training: vllmstash x2 (.device/p1 +
-# assets/prompts; .vllm/drafters); engine with E0=engprofile; again after the engine change, then engine with
-# E0="check;engine_ar engine_tree_lookup|..." and engprofile; vllmstash x2 (.vllm/bundle; .device/p1) and vllm with
-# VLLM_DRAFTERS=none (vLLM AR beside engine AR). Its README has the exact commands.
-# Third run of 2026-12-02 (examples/results/h200-2026-12-02c/), one H200, no training: vllmstash x3 (.device/p1;
-# .vllm/bundle; .vllm/drafters + assets/prompts); vllm with ENGINE_ONLY/ENGINE_METHODS/ENGINE_FLAGS (vLLM AR, engine AR
-# and engine + drafter in one call, batch 1 and 8); engine (check; HF static + compile beside engine AR); engine
-# (check); a fresh start: vllmstash x2 and engine with E0=engprofile. Its README has the exact commands.
+# The runs that used this script, in order, with the phases each called: trainer/RUNS.md (each run's results
+# README has its exact commands).
 # vllmstash now refreshes the stashed folders' remote code: a folder saved by an older commit runs its own copy.
 # With drafter weights committed in model_cards/, run `bash trainer/device_tree.sh light` before the calls.
 # Checkpoints: stage2 packs all four drafters in bf16 and queues them as tar parts (DFlash pair first); each call
