@@ -13,12 +13,14 @@ What each option makes of the same kernel (each a compile-time constant, so each
     computes its rows' mean of squares itself (float32, as `LlamaRMSNorm` upcasts; the tiled kernel reads x twice for
     it, the one-row kernel once); x is normalised in float32, rounded to x's dtype, scaled by the norm's weight and
     rounded again, the roundings of the eager module. x is the residual stream, a few KB that stay in cache.
-    `late_norm` (the tiled kernel; opt-in, for timing): the products take x times the norm's weight, rounded once,
+    `late_norm` (the tiled kernel; opt-in, off): the products take x times the norm's weight, rounded once,
     and each row's sums are scaled by its 1/rms in float32 before the epilogue, with the mean of squares summed in
     the main loop. Why: at 8-32 rows on an H100 the norm fold cost 1.0-1.7 us a q/k/v call, a third to a half of
     the same kernel's time with nothing folded (`h100-2026-12-07`); one suspect is the pass over x before the first
     product (serial latency), which this removes. Its roundings are not the eager module's (one of x's dtype, not
-    two, and 1/rms applied to the float32 sums), so bf16 results differ from it by about a rounding step.
+    two, and 1/rms applied to the float32 sums), so bf16 results differ from it by about a rounding step. Timed
+    as a whole round with `fused_linear_rows=32` on the real target (H100, `h100-2026-12-07b`): 9.9 % dearer than
+    the default round, so it did not pay there.
   * `glu`: w holds gate rows `[0, N)` and up rows `[N, 2N)` (a merged gate/up); each program computes both for its
     columns and writes `silu(gate) * up`, each rounded to x's dtype as the eager MLP rounds them.
   * `residual` `[M, N]`: the output is `residual + x @ w.T`, the projection's result rounded before the add (as
