@@ -272,9 +272,9 @@ class SpeculativeEngine(DecodeLoop, CapturedRounds, LinearRounds, TreeRounds):
         frozen weights whose projections take at most 2048 inputs (`capture.auto_fused_linear_rows`), else 0.
         `self.fused_linear_rows` holds what was chosen. fused_linear_late_norm=True (with fused_linear_rows of 2 or
         more; default False) has those of 2 rows and more apply the norm's 1/rms after the products
-        (`fused_linear.py`'s `late_norm`: no pass over x first, other bf16 roundings than the eager norm's). With
-        fused_linear_rows=32 it made the real target's tree round 9.9 % dearer on an H100 (1.499 against 1.364 ms,
-        `h100-2026-12-07b`), so it stays off."""
+        (`fused_linear.py`'s `late_norm`: no pass over x first, other bf16 roundings than the eager norm's).
+        fused_linear_rows=32 with it made the real target's tree round 9.9 % dearer than the default on an H100
+        (1.499 against 1.364 ms, `h100-2026-12-07b`; the two options' shares not separated), so it stays off."""
         if not any(rope_table is v for v in (True, False)) and rope_table != "auto":
             raise ValueError(f"rope_table={rope_table!r}: 'auto', True or False.")
         if not isinstance(dynamic_prefill, bool):
