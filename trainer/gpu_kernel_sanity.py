@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from evaluate_tau import environment  # noqa: E402
+from fused_linear_bench import SHAPES  # noqa: E402
 
 from hf_carryover.engine.fused_linear import fused_linear  # noqa: E402
 from hf_carryover.engine.fused_linear import reference as fused_reference  # noqa: E402
@@ -94,17 +95,15 @@ def folded(m, n, k, norm, glu, resid, late=False):
 
 
 # the reference target's q/k/v (norm), o (residual), gate/up (norm, SiLU * up), down (residual) and vocabulary head
-# (norm) at a plain step's 1 row, batch 8's 8 and a tree verify's 32
-SHAPES = ((960, 576, True, False, False), (576, 576, False, False, True), (1536, 576, True, True, False),
-          (576, 1536, False, False, True), (49152, 576, True, False, False))
+# (norm), as `examples/fused_linear_bench.py` times them, at a plain step's 1 row, batch 8's 8 and a tree verify's 32
 for m in (1, 8, 32):
-    for n, k, norm, glu, resid in SHAPES:
+    for _, n, k, norm, glu, resid, _ in SHAPES:
         case(f"folded_{m}x{n}x{k}", lambda: folded(m, n, k, norm, glu, resid))
 # New cases go last: every case draws its inputs from the one generator, so a case run before an older one changes
 # that one's inputs and its figures can no longer be compared with an earlier run's (h100-2026-12-07b: the late
 # cases, then interleaved, moved the 8- and 32-row exact cases' inputs).
 for m in (8, 32):
-    for n, k, norm, glu, resid in SHAPES:
+    for _, n, k, norm, glu, resid, _ in SHAPES:
         if norm:
             case(f"folded_late_{m}x{n}x{k}", lambda: folded(m, n, k, norm, glu, resid, late=True))
 print(json.dumps(res))
