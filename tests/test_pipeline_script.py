@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "trainer" / "h200_pipeline.sh"
+LIB = SCRIPT.parent / "pipeline_lib.sh"  # the functions the script sources
 
 
 def _functions(*names) -> str:
-    """The script's own bash functions `names`, cut out of the file."""
-    text = SCRIPT.read_text()
+    """The script's own bash functions `names`, cut out of the file that defines them."""
+    text = LIB.read_text()
     return "\n".join(re.search(rf"^{n}\(\) \{{.*?^\}}", text, re.S | re.M).group(0) for n in names)
 
 
@@ -62,7 +63,7 @@ def test_call_box_cuts_a_job_to_the_time_left_in_the_device_call(tmp_path):
     assert r.stdout.split("\n")[:3] == ["85 60", "1", "300"], r.stdout
     assert "time box 570 s cut to 85 s" in r.stderr  # the log line goes to stderr, not into the box
     # every time box of the script goes through it
-    boxes = re.findall(r"timeout (?:-k \d+ )?(\S+)", SCRIPT.read_text())
+    boxes = re.findall(r"timeout (?:-k \d+ )?(\S+)", SCRIPT.read_text() + LIB.read_text())
     assert len(boxes) >= 20 and all(b == "$(call_box" for b in boxes), boxes
 
 
@@ -135,3 +136,23 @@ def test_inductor_cache_travels_in_parts_and_unpacks_on_the_next_machine(tmp_pat
     r = _bash(tmp_path, f"A={tmp_path / 'new2'}", "mkdir -p $A", "unpack_cache", "echo went on")
     assert r.returncode == 0 and "did not unpack" in r.stdout and "went on" in r.stdout, r.stdout + r.stderr
     assert sorted(x.name for x in (tmp_path / "new2").iterdir()) == []  # no half-unpacked entry left behind
+
+
+def test_the_script_runs_a_phase_with_its_sourced_functions(tmp_path):
+    """The whole script, run as the GPU calls run it (bash, from the repo root) on a CPU machine: `fetch` ships the
+    oldest queued checkpoint part through `ship` and `log` from pipeline_lib.sh, and the EXIT trap returns the logs.
+    Catches a function the phases call that the sourced file no longer defines, or a source path that only works
+    from one folder."""
+    home, out = tmp_path / "home", tmp_path / "out"
+    outbox = home / "assets" / "outbox"
+    outbox.mkdir(parents=True)
+    for name in ("q000-ckpt-a.tar.partaa", "q001-ckpt-b.tar.partaa"):
+        (outbox / name).write_bytes(b"part")
+    env = {"HOME": str(home), "OUT": str(out), "PATH": "/usr/bin:/bin"}
+    r = subprocess.run(["bash", str(SCRIPT), "fetch"], cwd=SCRIPT.parents[1], env=env, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "command not found" not in r.stderr, r.stderr
+    assert sorted(x.name for x in out.iterdir()) == ["q000-ckpt-a.tar.partaa", "q001-ckpt-b.tar.partaa",
+                                                      "results-fetch.tgz"]
+    assert "still queued: 0" in (home / "assets" / "logs" / "fetch" / "pipeline.log").read_text()
