@@ -274,7 +274,8 @@ class SpeculativeEngine(DecodeLoop, CapturedRounds, LinearRounds, TreeRounds):
         more; default False) has those of 2 rows and more apply the norm's 1/rms after the products
         (`fused_linear.py`'s `late_norm`: no pass over x first, other bf16 roundings than the eager norm's).
         fused_linear_rows=32 with it made the real target's tree round 9.9 % dearer than the default on an H100
-        (1.499 against 1.364 ms, `h100-2026-12-07b`; the two options' shares not separated), so it stays off."""
+        (1.499 against 1.364 ms, `h100-2026-12-07b`), and per call the late norm was 1.3-2.3 us dearer than the exact
+        fold (`h100-2026-12-07c`), so it stays off."""
         if not any(rope_table is v for v in (True, False)) and rope_table != "auto":
             raise ValueError(f"rope_table={rope_table!r}: 'auto', True or False.")
         if not isinstance(dynamic_prefill, bool):

@@ -18,9 +18,10 @@ What each option makes of the same kernel (each a compile-time constant, so each
     the main loop. Why: at 8-32 rows on an H100 the norm fold cost 1.0-1.7 us a q/k/v call, a third to a half of
     the same kernel's time with nothing folded (`h100-2026-12-07`); one suspect is the pass over x before the first
     product (serial latency), which this removes. Its roundings are not the eager module's (one of x's dtype, not
-    two, and 1/rms applied to the float32 sums), so bf16 results differ from it by about a rounding step. Timed
-    only as a whole round, with `fused_linear_rows=32`, on the real target (H100, `h100-2026-12-07b`): 9.9 % dearer
-    than the default round; what the late norm itself adds or saves there is not separated.
+    two, and 1/rms applied to the float32 sums), so bf16 results differ from it by about a rounding step. It lost
+    at both levels it was timed at (H100): with `fused_linear_rows=32` the real target's round was 9.9 % dearer than
+    the default (`h100-2026-12-07b`), and per call it is the slowest form, 1.3-2.3 us dearer than the exact fold at
+    16-32 rows (`h100-2026-12-07c`), which puts most of that 9.9 % on it.
   * `glu`: w holds gate rows `[0, N)` and up rows `[N, 2N)` (a merged gate/up); each program computes both for its
     columns and writes `silu(gate) * up`, each rounded to x's dtype as the eager MLP rounds them.
   * `residual` `[M, N]`: the output is `residual + x @ w.T`, the projection's result rounded before the add (as
