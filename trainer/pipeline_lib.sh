@@ -9,7 +9,7 @@ serve_target() {  # the bf16 serving folder of the converted target, ~/assets/se
 call_box() {  # call_box SECONDS [quiet]: that time box, cut to what is left of the device call since this script
   # started (CALL_SECONDS, default 600, the call's limit; 15 s kept for the flush; the cut logged unless quiet), so that
   # a job ends and its rows travel before the call is killed (2026-12-04c: the GGUF join and conversion ran before a
-  # 570 s box, and the call was killed at 600 s mid-row). Every `timeout` below takes its box through it.
+  # 570 s box, and the call was killed at 600 s mid-row). Every `timeout` of the pipeline takes its box through it.
   local left=$(( ${CALL_SECONDS:-600} - SECONDS - 15 ))
   if [ "$1" -gt "$left" ]; then
     [ -n "${2:-}" ] || log "time box $1 s cut to $left s (CALL_SECONDS=${CALL_SECONDS:-600}, $SECONDS s gone)" >&2
