@@ -140,7 +140,7 @@ def test_inductor_cache_travels_in_parts_and_unpacks_on_the_next_machine(tmp_pat
 
 def test_the_script_runs_a_phase_with_its_sourced_functions(tmp_path):
     """The whole script, run as the GPU calls run it (bash, from the repo root) on a CPU machine: `fetch` ships the
-    oldest queued checkpoint part through `ship` and `log` from pipeline_lib.sh, and the EXIT trap returns the logs.
+    queued checkpoint parts (up to 4) through `ship` and `log` from pipeline_lib.sh, and the EXIT trap returns the logs.
     Catches a function the phases call that the sourced file no longer defines, or a source path that only works
     from one folder."""
     home, out = tmp_path / "home", tmp_path / "out"
