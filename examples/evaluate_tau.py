@@ -54,7 +54,7 @@ ENGINE_KEYS = ("lookup_siblings", "lookup_confidence", "lookup_min_ngram", "atte
                "attention_block_n", "attention_warps", "attention_split_n", "attention_block_m", "attention_min_rows",
                "run_ahead", "tree_topk", "drafter_attention", "rope_table", "dynamic_prefill", "prefill_ahead",
                "gemv_rows", "gemv_fusion", "attention_one_row_keys", "draft_topk", "skinny_rows",
-               "gated_mlp", "attention_key_end", "fused_linear_rows", "fused_linear_late_norm",
+               "gated_mlp", "attention_key_end", "fused_linear_rows",
                "lookup_skips_drafter")
 # `inductor.KEY=VALUE` in a spec: an inductor option of that drafter's compiled engine (benchmark.py --compile), e.g.
 # `pdl=FOLDER,inductor.triton.enable_pdl=true`. Why: options that change every kernel (PDL) are timed on tree rows

@@ -8,12 +8,11 @@ cuBLAS's bare GEMM of the same shape is timed beside it (`cublas_mm_us`: without
 With --bare each shape is also timed on the kernel with nothing folded (`NAME-bare@M`: the same weight as one plain
 GEMM, a merged gate/up's 2N columns), which splits what the folds cost from what the tiled GEMM itself costs: at 8
 and 32 rows the folded kernel lost to cuBLAS in whole rounds (`h100-2026-12-06g`, `h100-2026-12-06h`), and in
-`h100-2026-12-07` the tiled GEMM alone was near cuBLAS while the norm fold cost 1.0-2.3 us a call. With --late_norm
-each shape with a norm is also timed with `fused_linear(late_norm=True)` at 2 rows and more (`NAME-late@M`).
+`h100-2026-12-07` the tiled GEMM alone was near cuBLAS while the norm fold cost 1.0-2.3 us a call. (The late-norm
+rows of `h100-2026-12-07c` came from an option since removed: `fused_linear.py`'s docstring.)
 
     python examples/fused_linear_bench.py --rows 1 8 32 --out fused_linear_bench.json
     python examples/fused_linear_bench.py --rows 16 32 --bare --out fused_linear_bench_rows.json
-    python examples/fused_linear_bench.py --rows 8 16 32 --bare --late_norm --out fused_linear_bench_late.json
 """
 
 from __future__ import annotations
@@ -28,11 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# (name, N, K, norm, glu, residual, late norm): a decoder layer's four projections as the engine folds them, and
-# the head
-SHAPES = [("qkv", 960, 576, True, False, False, False), ("o", 576, 576, False, False, True, False),
-          ("gate_up", 1536, 576, True, True, False, False), ("down", 576, 1536, False, False, True, False),
-          ("head", 49152, 576, True, False, False, False)]
+# (name, N, K, norm, glu, residual): a decoder layer's four projections as the engine folds them, and the head
+SHAPES = [("qkv", 960, 576, True, False, False), ("o", 576, 576, False, False, True),
+          ("gate_up", 1536, 576, True, True, False), ("down", 576, 1536, False, False, True),
+          ("head", 49152, 576, True, False, False)]
 
 
 def main():
@@ -45,8 +43,6 @@ def main():
     p.add_argument("--block_k", nargs="+", type=int, default=[128, 256])
     p.add_argument("--warps", nargs="+", type=int, default=[2, 4, 8])
     p.add_argument("--bare", action="store_true", help="also time each shape with nothing folded (NAME-bare@M)")
-    p.add_argument("--late_norm", action="store_true",
-                   help="also time each shape with a norm with late_norm=True, from 2 rows (NAME-late@M)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     from gemm_bench import graph_us, start_record, try_settings
@@ -58,14 +54,9 @@ def main():
     picked = [s for s in SHAPES if s[0] in args.shapes]
     shapes = list(picked)
     if args.bare:  # nothing folded: the same weights as plain GEMMs (a merged gate/up as its 2N columns)
-        shapes += [(f"{name}-bare", 2 * n if glu else n, k, False, False, False, False)
-                   for name, n, k, _, glu, _, _ in picked]
-    if args.late_norm:
-        shapes += [(f"{name}-late", n, k, True, glu, resid, True) for name, n, k, norm, glu, resid, _ in picked if norm]
+        shapes += [(f"{name}-bare", 2 * n if glu else n, k, False, False, False) for name, n, k, _, glu, _ in picked]
     for m in args.rows:
-        for name, n, k, norm, glu, resid, late in shapes:
-            if late and m == 1:  # one row has no pass over x to move
-                continue
+        for name, n, k, norm, glu, resid in shapes:
             layers = 1 if name.startswith("head") else args.layers  # one head a forward (56 MB of weight)
             ws = [torch.randn(2 * n if glu else n, k, device=dev, dtype=dt) / k ** 0.5 for _ in range(layers)]
             x = torch.randn(m, k, device=dev, dtype=dt)
@@ -73,15 +64,15 @@ def main():
             r = torch.randn(m, n, device=dev, dtype=dt) if resid else None
             ref = reference(x, ws[0], nw, 1e-5, r, glu).float()
             wts = [w.T.contiguous() for w in ws]  # [K, N], as inductor's frozen weights feed extern mm
-            row = {"N": n, "K": k, "M": m, "norm": norm, "glu": glu, "residual": resid, "late_norm": late,
+            row = {"N": n, "K": k, "M": m, "norm": norm, "glu": glu, "residual": resid,
                    "default": settings(m, n, k, glu),
                    "cublas_mm_us": graph_us([lambda w=w: torch.mm(x, w) for w in wts], args.replays)}
             block_ks = [0] if m == 1 else args.block_k  # one row loads K whole
 
             def measure(bn, bk, nwp):
-                y = fused_linear(x, ws[0], nw, 1e-5, r, glu, bn, bk, nwp, late)
+                y = fused_linear(x, ws[0], nw, 1e-5, r, glu, bn, bk, nwp)
                 err = (y.float() - ref).abs().max().item()
-                return err, graph_us([lambda w=w: fused_linear(x, w, nw, 1e-5, r, glu, bn, bk, nwp, late)
+                return err, graph_us([lambda w=w: fused_linear(x, w, nw, 1e-5, r, glu, bn, bk, nwp)
                                       for w in ws], args.replays)
 
             configs = itertools.product(args.block_n, block_ks, args.warps)

@@ -191,8 +191,7 @@ def test_fused_linear_equals_the_eager_modules_and_refuses_bad_shapes():
     transposed view, and the engine's settings and others: float64 within float64's rounding where nothing is
     normalised (the norm is float32 by design, as LlamaRMSNorm computes it) and within float32's elsewhere; float32
     within float32's. (Triton's interpreter rounds bf16 differently from the GPU, so bf16 is checked on the GPU:
-    `trainer/gpu_kernel_sanity.py`.) The same with the tiled kernel's `late_norm`. Bad shapes are refused by
-    name."""
+    `trainer/gpu_kernel_sanity.py`.) Bad shapes are refused by name."""
     out = _run("""
         import itertools
 
@@ -209,14 +208,11 @@ def test_fused_linear_equals_the_eager_modules_and_refuses_bad_shapes():
                 r = torch.randn(m, n, generator=g, dtype=dtype) if resid else None
                 ref = reference(x.double(), w.double(), None if nw is None else nw.double(), 1e-6,
                                 None if r is None else r.double(), glu)
-                runs = [(w, settings(m, n, k, glu), False), (w.T.contiguous().T, (8, 64, 2), False)]
-                if norm:  # the tiled kernel's late norm (one row ignores the flag: it has no pass to move)
-                    runs += [(w, settings(m, n, k, glu), True), (w.T.contiguous().T, (8, 64, 2), True)]
-                for wt, cfg, late in runs:
-                    y = fused_linear(x, wt, nw, 1e-6, r, glu, *cfg, late_norm=late)
+                for wt, cfg in ((w, settings(m, n, k, glu)), (w.T.contiguous().T, (8, 64, 2))):
+                    y = fused_linear(x, wt, nw, 1e-6, r, glu, *cfg)
                     assert y.shape == (m, n) and y.dtype == dtype
                     err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
-                    key = f"{dtype}_{'late' if late else 'norm' if norm else 'plain'}"
+                    key = f"{dtype}_{'norm' if norm else 'plain'}"
                     worst[key] = max(worst.get(key, 0.0), err)
                     cases += 1
         errors = []
@@ -230,17 +226,16 @@ def test_fused_linear_equals_the_eager_modules_and_refuses_bad_shapes():
         print(json.dumps({"worst": worst, "cases": cases, "errors": errors}))
     """)
     worst = out["worst"]
-    assert out["cases"] == 288, out
+    assert out["cases"] == 192, out
     assert worst["torch.float64_plain"] < 1e-13 and worst["torch.float64_norm"] < 1e-5, out  # norm: float32 steps
     assert worst["torch.float32_plain"] < 1e-5 and worst["torch.float32_norm"] < 1e-5, out  # a missed product: ~1e-1
-    assert worst["torch.float64_late"] < 1e-5 and worst["torch.float32_late"] < 1e-5, out  # 1/rms missed: ~1
     errors = out["errors"]
     assert len(errors) == 5 and "at most 64 rows" in errors[0] and "[M, K] and [N, K]" in errors[1], out
     assert "an even count" in errors[2] and "norm_weight (7,)" in errors[3] and "residual (2, 5)" in errors[4], out
 
 
 def test_fused_linear_kernels_compile_for_hopper():
-    """Both `fused_linear` kernels, every fold (the tiled one's norms also late), bf16 (and float32 with all folds: the
+    """Both `fused_linear` kernels, every fold, bf16 (and float32 with all folds: the
     IEEE products), through Triton's compiler for sm_90 down to a cubin (Triton's own ptxas; no GPU needed). Why: the
     interpreter runs the kernels as Python, so an error of Triton's GPU frontend (a type that changes across a branch, a
     helper's constexpr argument) passes the interpreter tests and fails only on the machine. Numbers are the GPU's to
@@ -266,21 +261,16 @@ def test_fused_linear_kernels_compile_for_hopper():
         if dtype == "fp32" and not all(folds):
             continue
         constexprs = {**consts, **dict(zip(("NORM", "GLU", "RESID"), folds)), "F64": False}
-        lates = (False,)
-        if name == "rows":  # the tiled kernel's tl.dot: IEEE products for float32; its late norm with a norm
+        if name == "rows":  # the tiled kernel's tl.dot: IEEE products for float32
             constexprs["IEEE"] = dtype == "fp32"
-            lates = (False, True) if folds[0] else (False,)
-        for late in lates:
-            if name == "rows":
-                constexprs["LATE_NORM"] = late
-            signature = {**{p: "*" + dtype for p in ptrs}, **{i: "i32" for i in ints}, "eps": "fp32",
-                         **{c: "constexpr" for c in constexprs}}
-            signature = {a: signature[a] for a in kernel.arg_names}  # the kernel's argument order
-            binary = compiler.compile(compiler.ASTSource(kernel, signature, constexprs=constexprs),
-                                      target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-            assert binary.asm["cubin"], (name, dtype, folds, late)
-            built += 1
-    assert built == 23
+        signature = {**{p: "*" + dtype for p in ptrs}, **{i: "i32" for i in ints}, "eps": "fp32",
+                     **{c: "constexpr" for c in constexprs}}
+        signature = {a: signature[a] for a in kernel.arg_names}  # the kernel's argument order
+        binary = compiler.compile(compiler.ASTSource(kernel, signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+        assert binary.asm["cubin"], (name, dtype, folds)
+        built += 1
+    assert built == 18
 
 
 def test_engines_with_folded_linears_equal_plain_greedy():
@@ -289,9 +279,9 @@ def test_engines_with_folded_linears_equal_plain_greedy():
     * up and two residual adds and the final norm folded in, and decode plain greedy decoding's tokens (float64), on
     Llama and Qwen3 targets; the compiled row prefill (a dynamic width) folds its one-row head. With inductor's own
     gate/up merge (a `split` whose halves it may order up first; forced here with `cpp.enable_concat_linear`, as on
-    CUDA) the SiLU * up is still folded. The tree engine again with `fused_linear_late_norm` (the tiled kernel's
-    norms late) and `fused_linear.TILED_MAX_N` lowered below the tiny vocabulary: the same tokens, the same folds
-    except the multi-row heads, left to the mm. Options that cannot work are refused by name."""
+    CUDA) the SiLU * up is still folded. The tree engine again with `fused_linear.TILED_MAX_N` lowered below the
+    tiny vocabulary: the same tokens, the same folds except the multi-row heads, left to the mm. Options that cannot
+    work are refused by name."""
     out = _run("""
         from conftest import build_drafter, build_target
         from test_engine import _greedy_refs, _prompts
@@ -327,15 +317,14 @@ def test_engines_with_folded_linears_equal_plain_greedy():
             from hf_carryover.engine import fused_linear
 
             fused_linear.TILED_MAX_N = 80  # the vocabulary 96 wider, the projections (64 at most) not
-            late = SpeculativeEngine(target, drafter, max_len=96, compile=True, fused_linear_rows=32,
-                                     fused_linear_late_norm=True, compile_options=frozen)
-            res[f"{arch}_late"] = late.generate(prompts, max_new_tokens=12, tree=WIDE, tree_nodes=5,
-                                                prompt_lookup_num_tokens=3) == refs
-            res[f"{arch}_late_record"] = late.kernel_record()
+            narrow = SpeculativeEngine(target, drafter, max_len=96, compile=True, fused_linear_rows=32,
+                                       compile_options=frozen)
+            res[f"{arch}_narrow"] = narrow.generate(prompts, max_new_tokens=12, tree=WIDE, tree_nodes=5,
+                                                    prompt_lookup_num_tokens=3) == refs
+            res[f"{arch}_narrow_record"] = narrow.kernel_record()
         errors = []
         target = build_target("llama", num_layers=2)
-        for bad in (dict(fused_linear_rows=8), dict(fused_linear_rows=-1), dict(fused_linear_rows=True),
-                    dict(fused_linear_late_norm=True), dict(fused_linear_late_norm="yes")):
+        for bad in (dict(fused_linear_rows=8), dict(fused_linear_rows=-1), dict(fused_linear_rows=True)):
             try:
                 SpeculativeEngine(target, None, max_len=96, **bad)
             except ValueError as e:
@@ -352,16 +341,14 @@ def test_engines_with_folded_linears_equal_plain_greedy():
     assert out["llama_tree"] and tree["fused_linears"] > 9, out
     assert tree["fused_glus"] > 2 and tree["fused_residuals"] > 4, out
     assert out["split"] and out["split_record"]["fused_glus"] == 2 and out["split_record"]["fused_gemms"] == 0, out
-    assert tree["fused_late_norms"] == 0 and not tree["fused_linear_late_norm"], out
-    late = out["llama_late"], out["llama_late_record"]  # the same rounds: every folded norm late (all multi-row),
-    # the multi-row heads no longer folded (not each of them had a norm folded)
-    assert late[0] and late[1]["fused_linear_late_norm"] and late[1]["fused_late_norms"] == late[1]["fused_norms"], out
-    heads = tree["fused_linears"] - late[1]["fused_linears"]
-    assert heads > 0 and 0 < tree["fused_norms"] - late[1]["fused_norms"] <= heads and late[1]["fused_norms"] > 2, out
-    assert (late[1]["fused_glus"], late[1]["fused_residuals"]) == (tree["fused_glus"], tree["fused_residuals"]), out
+    narrow, rec = out["llama_narrow"], out["llama_narrow_record"]  # the same rounds, the multi-row heads no longer
+    # folded (not each of them had a norm folded)
+    assert narrow, out
+    heads = tree["fused_linears"] - rec["fused_linears"]
+    assert heads > 0 and 0 < tree["fused_norms"] - rec["fused_norms"] <= heads and rec["fused_norms"] > 2, out
+    assert (rec["fused_glus"], rec["fused_residuals"]) == (tree["fused_glus"], tree["fused_residuals"]), out
     errors = out["errors"]
     assert "fused_linear_rows=8" in errors[0] and "freezing" in errors[0], out
     assert "fused_linear_rows=-1: 'auto', or a number of rows" in errors[1], out
     assert "fused_linear_rows=True" in errors[2], out
-    assert "fused_linear_late_norm=True" in errors[3] and "fused_linear_rows >= 2 (here 0)" in errors[3], out
-    assert "fused_linear_late_norm='yes': True or False" in errors[4], out
+    assert len(errors) == 3, out

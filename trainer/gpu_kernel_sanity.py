@@ -75,35 +75,30 @@ for m, n, k in ((32, 576, 1536), (16, 576, 1536), (64, 576, 1536)):
     case(f"silu_mul_{m}x{n}x{k}", lambda: gated(m, n, k))
 
 
-def folded(m, n, k, norm, glu, resid, late=False):
+def folded(m, n, k, norm, glu, resid):
     """`fused_linear` against the eager modules' computation (`fused_linear.reference`): bf16 against bf16 eager
-    (relative to the output's largest value), fp32 against float64 (relative error; the norm itself is float32).
-    `late`: the tiled kernel's `late_norm` (`folded_late...`), whose bf16 roundings are not the eager module's."""
+    (relative to the output's largest value), fp32 against float64 (relative error; the norm itself is float32)."""
     for dtype, tag in ((torch.bfloat16, ""), (torch.float32, "32")):
         x = torch.randn(m, k, device="cuda").to(dtype)
         w = (torch.randn(2 * n if glu else n, k, device="cuda") / k ** 0.5).to(dtype)
         nw = (1 + 0.1 * torch.randn(k, device="cuda")).to(dtype) if norm else None
         r = torch.randn(m, n, device="cuda").to(dtype) if resid else None
-        y = fused_linear(x, w, nw, 1e-5, r, glu, *fused_settings(m, n, k, glu), late_norm=late)
+        y = fused_linear(x, w, nw, 1e-5, r, glu, *fused_settings(m, n, k, glu))
         if dtype == torch.bfloat16:
             ref = fused_reference(x, w, nw, 1e-5, r, glu).float()
         else:
             ref = fused_reference(x.double(), w.double(), None if nw is None else nw.double(), 1e-5,
                                   None if r is None else r.double(), glu)
-        res[f"folded{'_late' * late}{tag}_{m}x{n}x{k}{'_norm' * norm}{'_glu' * glu}{'_resid' * resid}_rel"] = (
+        res[f"folded{tag}_{m}x{n}x{k}{'_norm' * norm}{'_glu' * glu}{'_resid' * resid}_rel"] = (
             (y.to(ref.dtype) - ref).abs().max() / ref.abs().max()).item()
 
 
 # the reference target's q/k/v (norm), o (residual), gate/up (norm, SiLU * up), down (residual) and vocabulary head
 # (norm), as `examples/fused_linear_bench.py` times them, at a plain step's 1 row, batch 8's 8 and a tree verify's 32
 for m in (1, 8, 32):
-    for _, n, k, norm, glu, resid, _ in SHAPES:
+    for _, n, k, norm, glu, resid in SHAPES:
         case(f"folded_{m}x{n}x{k}", lambda: folded(m, n, k, norm, glu, resid))
 # New cases go last: every case draws its inputs from the one generator, so a case run before an older one changes
-# that one's inputs and its figures can no longer be compared with an earlier run's (h100-2026-12-07b: the late
-# cases, then interleaved, moved the 8- and 32-row exact cases' inputs).
-for m in (8, 32):
-    for _, n, k, norm, glu, resid, _ in SHAPES:
-        if norm:
-            case(f"folded_late_{m}x{n}x{k}", lambda: folded(m, n, k, norm, glu, resid, late=True))
+# that one's inputs and its figures can no longer be compared with an earlier run's (h100-2026-12-07b: cases of a
+# since removed option, then interleaved, moved the 8- and 32-row exact cases' inputs).
 print(json.dumps(res))

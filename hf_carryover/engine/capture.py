@@ -85,10 +85,10 @@ class CapturedRounds:
     forms), `_begin`, `_on_cuda` and the caches of graphs and prefills (`_graphs`, `_prefills`)."""
 
     def _setup_compile(self, compile, compile_options, gemv_rows, gemv_fusion, target, skinny_rows=0,
-                       fused_linear_rows=0, fused_linear_late_norm=False) -> None:
+                       fused_linear_rows=0) -> None:
         """The constructor's compile options (`SpeculativeEngine`'s docstring says what each does and what it was
         measured at), checked and resolved: the backend, inductor's options, `gemv_rows` ("auto" resolved),
-        `gemv_fusion`, `fused_linear_rows` ("auto" resolved) with `fused_linear_late_norm`, and the engine's own
+        `gemv_fusion`, `fused_linear_rows` ("auto" resolved), and the engine's own
         inductor pass where the weights are frozen."""
         self.compile = bool(compile)
         self._compile_backend = compile if isinstance(compile, str) else "inductor"
@@ -112,12 +112,6 @@ class CapturedRounds:
             fused_linear_rows = auto_fused_linear_rows(compile, target.device, self.compile_options, target.config)
         self.fused_linear_rows = kernel_rows("fused_linear_rows", fused_linear_rows, target.device, compile,
                                              self.compile_options, auto=True)
-        if not isinstance(fused_linear_late_norm, bool):
-            raise ValueError(f"fused_linear_late_norm={fused_linear_late_norm!r}: True or False.")
-        if fused_linear_late_norm and self.fused_linear_rows < 2:
-            raise ValueError(f"fused_linear_late_norm=True changes fused_linear's tiled kernel (2 rows and more): it "
-                             f"needs fused_linear_rows >= 2 (here {self.fused_linear_rows}).")
-        self.fused_linear_late_norm = fused_linear_late_norm
         if self.compile_options:
             check_inductor_options(self.compile_options)
         # with frozen weights, q/k/v (and any projections sharing an input) become one GEMM whatever their widths
@@ -127,8 +121,7 @@ class CapturedRounds:
         if runs_own_pass(compile, self.compile_options):
             self.fused_projections = FuseSharedInputMatmuls(gemv_rows=gemv_rows, gemv_fusion=gemv_fusion,
                                                             weights_first=pdl_on(self.compile_options),
-                                                            skinny_rows=skinny_rows, fused_rows=fused_linear_rows,
-                                                            late_norm=fused_linear_late_norm)
+                                                            skinny_rows=skinny_rows, fused_rows=fused_linear_rows)
             self._inductor_patch["post_grad_custom_pre_pass"] = self.fused_projections
         self._compiled_round = self._compiled(self._round) if compile else None
         self._compiled_tree_round = None  # compiled on first use of a tree

@@ -78,8 +78,7 @@ class SpeculativeEngine(DecodeLoop, CapturedRounds, LinearRounds, TreeRounds):
                  drafter_attention: str = "auto",
                  rope_table: bool | str = "auto", dynamic_prefill: bool = True, prefill_ahead: bool | int = True,
                  gemv_rows: int | str = "auto", gemv_fusion: bool | str = False, skinny_rows: int = 0,
-                 gated_mlp: bool = False, attention_key_end: bool = False, fused_linear_rows: int | str = "auto",
-                 fused_linear_late_norm: bool = False):
+                 gated_mlp: bool = False, attention_key_end: bool = False, fused_linear_rows: int | str = "auto"):
         """profile=True synchronises around the draft and verify phases and sums their wall time in
         `self.timing` (seconds: draft, verify, other) — for the latency model, at the cost of extra syncs.
 
@@ -270,12 +269,8 @@ class SpeculativeEngine(DecodeLoop, CapturedRounds, LinearRounds, TreeRounds):
         dearer (1.288 against 1.247 ms); the compiled fp32 check of plain steps passed with N=1 (an H100, one machine
         start, `h100-2026-12-06h`). "auto" (the default) is 1 where that was timed: a CUDA target with Triton and
         frozen weights whose projections take at most 2048 inputs (`capture.auto_fused_linear_rows`), else 0.
-        `self.fused_linear_rows` holds what was chosen. fused_linear_late_norm=True (with fused_linear_rows of 2 or
-        more; default False) has those of 2 rows and more apply the norm's 1/rms after the products
-        (`fused_linear.py`'s `late_norm`: no pass over x first, other bf16 roundings than the eager norm's).
-        fused_linear_rows=32 with it made the real target's tree round 9.9 % dearer than the default on an H100
-        (1.499 against 1.364 ms, `h100-2026-12-07b`), and per call the late norm was 1.3-2.3 us dearer than the exact
-        fold (`h100-2026-12-07c`), so it stays off."""
+        `self.fused_linear_rows` holds what was chosen. (A late norm for the multi-row kernel lost and was removed:
+        `fused_linear.py`'s docstring.)"""
         if not any(rope_table is v for v in (True, False)) and rope_table != "auto":
             raise ValueError(f"rope_table={rope_table!r}: 'auto', True or False.")
         if not isinstance(dynamic_prefill, bool):
@@ -345,7 +340,7 @@ class SpeculativeEngine(DecodeLoop, CapturedRounds, LinearRounds, TreeRounds):
         self.round_hook = None
         self.profile = profile
         self._setup_compile(compile, compile_options, gemv_rows, gemv_fusion, target, skinny_rows,
-                            fused_linear_rows, fused_linear_late_norm)  # (`capture.py`)
+                            fused_linear_rows)  # (`capture.py`)
         self.cuda_graphs = cuda_graphs
         self.last_mode: str | None = None
         self.timing = {"draft": 0.0, "verify": 0.0, "other": 0.0, "rounds": 0}

@@ -148,13 +148,11 @@ def _rows_of(graph, call, fake_mode, w, swap_halves=False):
     return constant_node(graph, f"_rows_{w.target}" + "_swapped" * swap_halves, value.contiguous(), fake_mode)
 
 
-def fold_linears(graph, rows: int, late_norm: bool = False) -> dict:
+def fold_linears(graph, rows: int) -> dict:
     """Hand every constant-weight mm of at most `rows` rows to `fused_linear` with what it can fold (module
-    docstring); `late_norm`: the folded norms of 2 rows and more take `fused_linear`'s late_norm. Returns
-    {"linears": mm nodes handed over, "norms", "glus", "residuals": patterns folded, "late_norms": norms of them
-    folded late}."""
+    docstring). Returns {"linears": mm nodes handed over, "norms", "glus", "residuals": patterns folded}."""
     op = torch.ops.hf_carryover.fused_linear.default
-    counts = {"linears": 0, "norms": 0, "glus": 0, "residuals": 0, "late_norms": 0}
+    counts = {"linears": 0, "norms": 0, "glus": 0, "residuals": 0}
     for node, x, w, xv, wv in _constant_weight_mms(graph):
         m, (k, n) = xv.shape[0], wv.shape
         if m > min(rows, fused_linear.MAX_ROWS) or fused_linear.available(xv.device) or xv.dtype != wv.dtype:
@@ -174,13 +172,12 @@ def fold_linears(graph, rows: int, late_norm: bool = False) -> dict:
             continue
         # where the new nodes go: before the node they replace, which comes after everything they read (the
         # residual may be computed after the mm, e.g. where a layer adds its input back last)
-        late = bool(late_norm and m > 1 and norm is not None)
         with graph.inserting_before(prod if prod is not None else add if add is not None else node):
             xin = call(_aten.reshape.default, h, [m, k]) if norm is not None else x  # [..., K] -> [M, K]
             wt = _rows_of(graph, call, xv.fake_mode, w, up_first)  # [N, K], K contiguous: the kernel reads W's rows
             resid = call(_aten.reshape.default, other, [m, n]) if add is not None else None  # [..., N] -> [M, N]
             out = call(op, xin, wt, norm.weight if norm is not None else None, norm.eps if norm is not None else 1e-6,
-                       resid, prod is not None, *fused_linear.settings(m, out_n, k, prod is not None), late)
+                       resid, prod is not None, *fused_linear.settings(m, out_n, k, prod is not None))
         if prod is not None:
             with graph.inserting_after(out):
                 shaped = call(_aten.reshape.default, out, list(prod.meta["val"].shape))
@@ -203,7 +200,6 @@ def fold_linears(graph, rows: int, late_norm: bool = False) -> dict:
         counts["norms"] += norm is not None
         counts["glus"] += prod is not None
         counts["residuals"] += add is not None
-        counts["late_norms"] += late
     return counts
 
 

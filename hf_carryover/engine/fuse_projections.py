@@ -72,7 +72,7 @@ class FuseSharedInputMatmuls(CustomGraphPass):
     through it, so both can read 0 while the loaded code is merged all the same (the H200 rows of 2026-12-05 read 0)."""
 
     def __init__(self, gemv_rows: int = 0, gemv_fusion: bool | str = False, weights_first: bool = False,
-                 skinny_rows: int = 0, fused_rows: int = 0, late_norm: bool = False):
+                 skinny_rows: int = 0, fused_rows: int = 0):
         self.fused = 0
         self.graphs = 0
         self.gemv_rows = int(gemv_rows)
@@ -84,9 +84,8 @@ class FuseSharedInputMatmuls(CustomGraphPass):
         self.skinny_rows = int(skinny_rows)
         self.skinny = 0  # mm nodes handed to skinny_gemm (skinny_rows), over every graph seen
         self.fused_rows = int(fused_rows)
-        self.late_norm = bool(late_norm)  # fused_linear's late_norm for the GEMMs of 2 rows and more
         # mm nodes handed to fused_linear (fused_rows) and the norms, SiLU * up and residual adds folded into them
-        self.folded = {"linears": 0, "norms": 0, "glus": 0, "residuals": 0, "late_norms": 0}
+        self.folded = {"linears": 0, "norms": 0, "glus": 0, "residuals": 0}
 
     def record(self) -> dict:
         """What a benchmark or profile row records of the pass: GEMMs merged (`fused_gemms`), rotate_half cats written
@@ -100,7 +99,7 @@ class FuseSharedInputMatmuls(CustomGraphPass):
         if self.skinny_rows:
             res.update(skinny_rows=self.skinny_rows, skinny_gemms=self.skinny if seen else None)
         if self.fused_rows:
-            res.update(fused_linear_rows=self.fused_rows, fused_linear_late_norm=self.late_norm,
+            res.update(fused_linear_rows=self.fused_rows,
                        **{f"fused_{key}": value if seen else None for key, value in self.folded.items()})
         return res
 
@@ -112,7 +111,7 @@ class FuseSharedInputMatmuls(CustomGraphPass):
         code = get_hash_for_files((__file__, rotate_half.__file__, fx_nodes.__file__, skinny_gemm.__file__,
                                    fold_linears.__file__, fused_linear.__file__))
         return (code.hex() if isinstance(code, bytes) else str(code), self.gemv_rows, self.gemv_fusion,
-                self.weights_first, self.skinny_rows, self.fused_rows, self.late_norm)
+                self.weights_first, self.skinny_rows, self.fused_rows)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         gm = graph.owning_module
@@ -139,7 +138,7 @@ class FuseSharedInputMatmuls(CustomGraphPass):
         if self.fused_rows:  # before the GEMV rewrite: what this folds is no longer an mm there
             from .fold_linears import fold_linears
 
-            for key, value in fold_linears(graph, self.fused_rows, self.late_norm).items():
+            for key, value in fold_linears(graph, self.fused_rows).items():
                 self.folded[key] += value
         if self.gemv_rows:
             gemvs, norms = _as_reductions(graph, self.gemv_rows, fold=bool(self.gemv_fusion),

@@ -13,15 +13,11 @@ What each option makes of the same kernel (each a compile-time constant, so each
     computes its rows' mean of squares itself (float32, as `LlamaRMSNorm` upcasts; the tiled kernel reads x twice for
     it, the one-row kernel once); x is normalised in float32, rounded to x's dtype, scaled by the norm's weight and
     rounded again, the roundings of the eager module. x is the residual stream, a few KB that stay in cache.
-    `late_norm` (the tiled kernel; opt-in, off): the products take x times the norm's weight, rounded once,
-    and each row's sums are scaled by its 1/rms in float32 before the epilogue, with the mean of squares summed in
-    the main loop. Why: at 8-32 rows on an H100 the norm fold cost 1.0-1.7 us a q/k/v call, a third to a half of
-    the same kernel's time with nothing folded (`h100-2026-12-07`); one suspect is the pass over x before the first
-    product (serial latency), which this removes. Its roundings are not the eager module's (one of x's dtype, not
-    two, and 1/rms applied to the float32 sums), so bf16 results differ from it by about a rounding step. It lost
-    at both levels it was timed at (H100): with `fused_linear_rows=32` the real target's round was 9.9 % dearer than
-    the default (`h100-2026-12-07b`), and per call it is the slowest form, 1.3-2.3 us dearer than the exact fold at
-    16-32 rows (`h100-2026-12-07c`), which puts most of that 9.9 % on it.
+    A late norm (x times the norm's weight only, each row's float32 sums scaled by its 1/rms before the
+    epilogue, the mean of squares summed in the main loop: no pass over x before the first product) was tried as
+    an opt-in and removed: on an H100 it made the real target's round 9.9 % dearer at `fused_linear_rows=32`
+    (`h100-2026-12-07b`), and per call it was the slowest form, 1.3-2.3 us dearer than this exact fold at 16-32 rows
+    (`h100-2026-12-07c`), besides rounding otherwise than the eager module.
   * `glu`: w holds gate rows `[0, N)` and up rows `[N, 2N)` (a merged gate/up); each program computes both for its
     columns and writes `silu(gate) * up`, each rounded to x's dtype as the eager MLP rounds them.
   * `residual` `[M, N]`: the output is `residual + x @ w.T`, the projection's result rounded before the add (as
@@ -111,12 +107,10 @@ if triton is not None:
     def _rows_kernel(x_ptr, nw_ptr, w_ptr, r_ptr, y_ptr, M, N, eps, sxm, sxk, swn, swk, srm, srn, sym,
                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      STAGES: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, RESID: tl.constexpr,
-                     IEEE: tl.constexpr, F64: tl.constexpr, LATE_NORM: tl.constexpr):
+                     IEEE: tl.constexpr, F64: tl.constexpr):
         """2-64 rows: each program takes all rows (a `BLOCK_M` tile of at least 16, masked) for `BLOCK_N` columns
         with `tl.dot`, K in pipelined steps (`skinny_gemm.py`'s layout); the norm's mean of squares first, its
-        loads unrolled so they are issued together. With LATE_NORM the mean of squares is summed in the main loop
-        from the tiles it loads anyway, x is scaled by the norm's weight only, and each row's 1/rms scales the sums
-        before the epilogue (a per-row factor commutes with the product): no pass over x before the first product."""
+        loads unrolled so they are issued together."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of x / y
@@ -126,8 +120,8 @@ if triton is not None:
         col_ok = rn < N
         acc_t = tl.float64 if F64 else tl.float32
         inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        if NORM and not LATE_NORM:
+        if NORM:
+            ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
             for k0 in tl.static_range(0, K, BLOCK_K):
                 kk = k0 + rk
                 xs = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=row_ok[:, None] & (kk[None, :] < K),
@@ -143,11 +137,7 @@ if triton is not None:
                         other=0.0)  # [BLOCK_M, BLOCK_K]
             if NORM:
                 nw = tl.load(nw_ptr + kk, mask=k_ok, other=0.0)  # [BLOCK_K]
-                if LATE_NORM:  # 1/rms after the products
-                    xf = x.to(tl.float32)
-                    ss += tl.sum(xf * xf, 1)
-                else:
-                    x = (x.to(tl.float32) * inv[:, None]).to(x.dtype)
+                x = (x.to(tl.float32) * inv[:, None]).to(x.dtype)
                 x = (nw[None, :].to(acc_t) * x.to(acc_t)).to(x.dtype)
             w = tl.load(w_ptr + rn[None, :] * swn + kk[:, None] * swk, mask=col_ok[None, :] & k_ok[:, None],
                         other=0.0)  # [BLOCK_K, BLOCK_N]: w's rows read as columns
@@ -162,11 +152,6 @@ if triton is not None:
                     acc_up = tl.dot(x, wu, acc_up, input_precision="ieee")
                 else:
                     acc_up = tl.dot(x, wu, acc_up)
-        if NORM and LATE_NORM:
-            inv_col = (1.0 / tl.sqrt(ss / K + eps)).to(acc_t)[:, None]  # [BLOCK_M, 1]
-            acc = acc * inv_col
-            if GLU:
-                acc_up = acc_up * inv_col
         r = acc
         if RESID:
             r = tl.load(r_ptr + rm[:, None] * srm + rn[None, :] * srn, mask=row_ok[:, None] & col_ok[None, :],
@@ -208,11 +193,10 @@ def _check(x, w, norm_weight, residual, glu):
 @torch.library.custom_op("hf_carryover::fused_linear", mutates_args=())
 def fused_linear(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                  residual: torch.Tensor | None = None, glu: bool = False, block_n: int = 16, block_k: int = 256,
-                 num_warps: int = 4, late_norm: bool = False) -> torch.Tensor:
+                 num_warps: int = 4) -> torch.Tensor:
     """`epilogue(rmsnorm?(x) @ w.T)` (module docstring): x `[M, K]`, w `[N, K]` (an nn.Linear weight, any strides;
     `[2N, K]`, gate then up, with `glu`), `norm_weight` `[K]` or None, `residual` `[M, N]` or None -> `[M, N]` in x's
-    dtype. `late_norm` (2 rows and more; module docstring) scales by 1/rms after the products. An opaque op to
-    torch.compile, capturable in CUDA graphs."""
+    dtype. An opaque op to torch.compile, capturable in CUDA graphs."""
     _check(x, w, norm_weight, residual, glu)
     m, k = x.shape
     n = w.shape[0] // 2 if glu else w.shape[0]
@@ -230,13 +214,12 @@ def fused_linear(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | N
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _rows_kernel[grid](x, nw, w, r, y, m, n, float(eps), x.stride(0), x.stride(1), w.stride(0), w.stride(1),
                        r.stride(0), r.stride(1), y.stride(0), K=k, BLOCK_M=block_m, BLOCK_N=block_n,
-                       BLOCK_K=block_k, STAGES=3, IEEE=x.dtype == torch.float32, LATE_NORM=bool(late_norm), **flags)
+                       BLOCK_K=block_k, STAGES=3, IEEE=x.dtype == torch.float32, **flags)
     return y
 
 
 @fused_linear.register_fake
-def _(x, w, norm_weight=None, eps=1e-6, residual=None, glu=False, block_n=16, block_k=256, num_warps=4,
-      late_norm=False):
+def _(x, w, norm_weight=None, eps=1e-6, residual=None, glu=False, block_n=16, block_k=256, num_warps=4):
     return x.new_empty(x.shape[0], w.shape[0] // 2 if glu else w.shape[0])
 
 
