@@ -6,8 +6,13 @@ As in `test_triton_attention.py`, the interpreter must be on before Triton is im
 interpreter; the models are tiny. `fused_linear`'s kernels are also compiled for sm_90 (no GPU needed), which the
 interpreter cannot stand in for."""
 
+import sys
+from pathlib import Path
+
 import pytest
 from test_triton_attention import _run
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("triton")
 
@@ -235,42 +240,28 @@ def test_fused_linear_equals_the_eager_modules_and_refuses_bad_shapes():
 
 
 def test_fused_linear_kernels_compile_for_hopper():
-    """Both `fused_linear` kernels, every fold, bf16 (and float32 with all folds: the
-    IEEE products), through Triton's compiler for sm_90 down to a cubin (Triton's own ptxas; no GPU needed). Why: the
-    interpreter runs the kernels as Python, so an error of Triton's GPU frontend (a type that changes across a branch, a
-    helper's constexpr argument) passes the interpreter tests and fails only on the machine. Numbers are the GPU's to
-    check (`trainer/gpu_kernel_sanity.py`)."""
+    """Both `fused_linear` kernels, every fold, bf16 (and float32 with all folds: the IEEE products), through
+    Triton's compiler for sm_90 down to a cubin (Triton's own ptxas; no GPU needed; the variants of
+    `examples/kernel_ptx.py`, which hashes their PTX to compare commits). Why: the interpreter runs the kernels as
+    Python, so an error of Triton's GPU frontend (a type that changes across a branch, a helper's constexpr argument)
+    passes the interpreter tests and fails only on the machine. Numbers are the GPU's to check
+    (`trainer/gpu_kernel_sanity.py`)."""
     import inspect
-    import itertools
 
     compiler = pytest.importorskip("triton.compiler")
     if "constexprs" not in inspect.signature(compiler.ASTSource).parameters:  # older Triton: `constants`
         pytest.skip(f"Triton {pytest.importorskip('triton').__version__}'s ASTSource takes no `constexprs`")
-    from triton.backends.compiler import GPUTarget
+    sys.path.insert(0, str(ROOT / "examples"))
+    from kernel_ptx import code_only, variants
 
     from hf_carryover.engine import fused_linear as fl
 
-    ptrs = ("x_ptr", "nw_ptr", "w_ptr", "r_ptr", "y_ptr")
-    kernels = {  # (kernel, its runtime arguments, the constants a call fixes besides the folds)
-        "one_row": (fl._one_row_kernel, ("N", "sxk", "swn", "swk", "srn"), dict(K=576, KP=1024, BLOCK_N=4)),
-        "rows": (fl._rows_kernel, ("M", "N", "sxm", "sxk", "swn", "swk", "srm", "srn", "sym"),
-                 dict(K=576, BLOCK_M=32, BLOCK_N=16, BLOCK_K=256, STAGES=3))}
-    built = 0
-    for (name, (kernel, ints, consts)), dtype, folds in itertools.product(kernels.items(), ("bf16", "fp32"),
-                                                                            itertools.product((False, True), repeat=3)):
-        if dtype == "fp32" and not all(folds):
-            continue
-        constexprs = {**consts, **dict(zip(("NORM", "GLU", "RESID"), folds)), "F64": False}
-        if name == "rows":  # the tiled kernel's tl.dot: IEEE products for float32
-            constexprs["IEEE"] = dtype == "fp32"
-        signature = {**{p: "*" + dtype for p in ptrs}, **{i: "i32" for i in ints}, "eps": "fp32",
-                     **{c: "constexpr" for c in constexprs}}
-        signature = {a: signature[a] for a in kernel.arg_names}  # the kernel's argument order
-        binary = compiler.compile(compiler.ASTSource(kernel, signature, constexprs=constexprs),
-                                  target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-        assert binary.asm["cubin"], (name, dtype, folds)
-        built += 1
-    assert built == 18
+    built = {key: binary.asm["ptx"] for key, binary in variants(fl) if binary.asm["cubin"]}
+    assert len(built) == 18, list(built)
+    ptx = built["rows_bf16_NGR"]  # the digest's text keeps the code and drops what names the source file and lines
+    code = code_only(ptx)
+    assert ".loc" in ptx and ".debug" in ptx and ".loc" not in code and ".debug" not in code, code[-400:]
+    assert "mma" in code and code.count("ld.global") == ptx.count("ld.global") and "ret;" in code, code[-400:]
 
 
 def test_engines_with_folded_linears_equal_plain_greedy():
