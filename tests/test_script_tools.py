@@ -600,3 +600,16 @@ def test_draw_boundary_names_the_mass_between_two_parted_draws():
         assert got["cdf_at_boundary"] == pytest.approx(probs[:min(13, other) + 1].sum().item(), rel=1e-5)
     assert draw_boundary(target, prompts, ref, [list(x) for x in ref]) is None  # equal runs
     assert draw_boundary(target, prompts, ref, [ref[0], ref[1][:2]]) is None  # one run ended first
+
+
+def test_fused_linear_ncu_launches_each_form_once_and_checks_them():
+    """`examples/fused_linear_ncu.py` (the forms of `fused_linear`'s tiled kernel for Nsight Compute) on the CPU in
+    Triton's interpreter: every form of both shapes runs, agrees with the eager modules and is launched in the
+    printed order."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, str(ROOT / "examples" / "fused_linear_ncu.py"), "--device", "cpu",
+                          "--rows", "3"], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    labels = [line for line in res.stdout.splitlines() if "/" in line]
+    assert labels == [f"{s}/{f}" for s in ("qkv", "gate_up") for f in ("cublas", "bare", "fold")], res.stdout
