@@ -107,10 +107,14 @@ if triton is not None:
     def _rows_kernel(x_ptr, nw_ptr, w_ptr, r_ptr, y_ptr, M, N, eps, sxm, sxk, swn, swk, srm, srn, sym,
                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      STAGES: tl.constexpr, NORM: tl.constexpr, GLU: tl.constexpr, RESID: tl.constexpr,
-                     IEEE: tl.constexpr, F64: tl.constexpr):
+                     IEEE: tl.constexpr, F64: tl.constexpr, NORM_K: tl.constexpr):
         """2-64 rows: each program takes all rows (a `BLOCK_M` tile of at least 16, masked) for `BLOCK_N` columns
         with `tl.dot`, K in pipelined steps (`skinny_gemm.py`'s layout); the norm's mean of squares first, its
-        loads unrolled so they are issued together."""
+        loads unrolled so they are issued together, in `NORM_K`-wide chunks (a power of two that divides K where
+        there is one, so no chunk is mostly masked) whose squares add up elementwise and are reduced across the
+        chunk once at the end. Why: Nsight Compute found the folded kernel issue-bound on this elementwise work,
+        which every program repeats (`h100-2026-12-07f`); a cross-thread reduction per chunk (as before) took 3x the
+        shuffles, and 256-wide chunks of a 576-wide x computed a quarter of their squares on masked zeros."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of x / y
@@ -121,13 +125,13 @@ if triton is not None:
         acc_t = tl.float64 if F64 else tl.float32
         inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
         if NORM:
-            ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for k0 in tl.static_range(0, K, BLOCK_K):
-                kk = k0 + rk
-                xs = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :] * sxk, mask=row_ok[:, None] & (kk[None, :] < K),
-                             other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_K]
-                ss += tl.sum(xs * xs, 1)
-            inv = 1.0 / tl.sqrt(ss / K + eps)  # rsqrt(mean + eps)
+            sq = tl.zeros((BLOCK_M, NORM_K), dtype=tl.float32)
+            for k0 in tl.static_range(0, K, NORM_K):
+                kn = k0 + tl.arange(0, NORM_K)
+                xs = tl.load(x_ptr + rm[:, None] * sxm + kn[None, :] * sxk, mask=row_ok[:, None] & (kn[None, :] < K),
+                             other=0.0).to(tl.float32)  # [BLOCK_M, NORM_K]
+                sq += xs * xs
+            inv = 1.0 / tl.sqrt(tl.sum(sq, 1) / K + eps)  # [BLOCK_M]: rsqrt(mean + eps)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_t)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
@@ -176,6 +180,13 @@ def settings(m: int, n: int, k: int, glu: bool = False) -> tuple[int, int, int]:
     return 16, 256 if k <= 1024 else 512, 2 if m <= 16 else 4
 
 
+def norm_chunk(k: int, block_k: int) -> int:
+    """The tiled kernel's chunk width for the norm's mean of squares: the largest power of two that divides `k`, at
+    most `block_k`; `block_k` where that is under 16 (a chunk too narrow to fill a tile; the last one is masked)."""
+    chunk = min(k & -k, block_k)
+    return chunk if chunk >= 16 else block_k
+
+
 def _check(x, w, norm_weight, residual, glu):
     if x.dim() != 2 or w.dim() != 2 or w.shape[1] != x.shape[1]:
         raise ValueError(f"fused_linear: x {tuple(x.shape)} and w {tuple(w.shape)} must be [M, K] and [N, K]")
@@ -214,7 +225,8 @@ def fused_linear(x: torch.Tensor, w: torch.Tensor, norm_weight: torch.Tensor | N
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _rows_kernel[grid](x, nw, w, r, y, m, n, float(eps), x.stride(0), x.stride(1), w.stride(0), w.stride(1),
                        r.stride(0), r.stride(1), y.stride(0), K=k, BLOCK_M=block_m, BLOCK_N=block_n,
-                       BLOCK_K=block_k, STAGES=3, IEEE=x.dtype == torch.float32, **flags)
+                       BLOCK_K=block_k, STAGES=3, IEEE=x.dtype == torch.float32, NORM_K=norm_chunk(k, block_k),
+                       **flags)
     return y
 
 
