@@ -76,7 +76,7 @@ def variants(fl, extra=None, as_launched=False):
                      **{c: "constexpr" for c in constexprs}}
         signature = {a: signature[a] for a in kernel.arg_names}  # the kernel's argument order
         attrs = {}
-        if as_launched:  # every pointer and every size or stride left (960, 576, 32 and their products) is 16k
+        if as_launched:  # every pointer, and every size or stride left (960, 576, 32, ...), is a multiple of 16
             attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in signature.items()
                      if t.startswith("*") or (t == "i32")}
         key = f"{name}_{dtype}_" + "".join("NGR"[i] if f else "-" for i, f in enumerate(folds))
