@@ -19,8 +19,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fused_linear_bench import SHAPES  # noqa: E402  (the reference target's projections, as the bench times them)
 
 FORMS = ("cublas", "bare", "fold")
 
@@ -53,7 +58,7 @@ def main():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton's import
     from hf_carryover.engine.fused_linear import fused_linear, reference, settings
 
-    shapes = {"qkv": (960, 576, False), "gate_up": (1536, 576, True)}
+    shapes = {name: (n, k, glu) for name, n, k, _, glu, _ in SHAPES if name in ("qkv", "gate_up")}  # norm folded
     launches = []
     for name, (n, k, glu) in shapes.items():
         launch, expected = forms(args.rows, n, k, glu, args.device, fused_linear, settings, reference)
