@@ -233,7 +233,8 @@ def test_fused_linear_equals_the_eager_modules_and_refuses_bad_shapes():
     worst = out["worst"]
     assert out["cases"] == 192, out
     from hf_carryover.engine.fused_linear import norm_chunk  # the norm's chunks: K=576 in nine of 64 (no masked
-    # squares), 130 and 300 (no power of two of 16 and more divides them) in masked block_k-wide ones, both checked above
+    # squares), 130 and 300 (no power of two of 16 and more divides them) in masked block_k-wide ones, both checked
+    # above
     assert [norm_chunk(k, bk) for k, bk in ((576, 256), (130, 256), (300, 64), (1536, 512), (64, 256))] == [
         64, 256, 64, 512, 64]
     assert worst["torch.float64_plain"] < 1e-13 and worst["torch.float64_norm"] < 1e-5, out  # norm: float32 steps
