@@ -74,8 +74,9 @@ def auto_fused_linear_rows(compile, device, compile_options: dict, config) -> in
     at a 4B target's 9728 a program's tile would be eight times wider, untimed. Not above one row: the tiled form lost
     to cuBLAS in a tree round (+3.2 %, `h100-2026-12-06g`, the vocabulary head on it) and at batch 8 (+3.3 %,
     `h100-2026-12-06h`); with the heads on cuBLAS and the norm pass of `dc0a7fe`, 32 rows made a tree round 2.3 %
-    cheaper on random weights (`h100-2026-12-07g`), not yet confirmed in the real target's tokens/s. Any dtype: the
-    bf16 rows were timed, and fp32 engines take the same path so that the compiled fp32 check covers the default."""
+    cheaper on random weights (`h100-2026-12-07g`) and 2.2 % on the real target's MT-Bench (`h100-2026-12-07h`), but
+    the GPU's compiled fp32 check has not run with 32-row folds, nor HumanEval or batch 8. Any dtype: the bf16 rows
+    were timed, and fp32 engines take the same path so that the compiled fp32 check covers the default."""
     widest = max(getattr(config, "hidden_size", 1 << 30), getattr(config, "intermediate_size", 0) or 0)
     return int(runs_own_pass(compile, compile_options) and _is_cuda(device) and triton_available(device) is None
                and widest <= 2048)
