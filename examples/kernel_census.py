@@ -103,7 +103,8 @@ def _gpu_realization(config) -> None:
 
 def census(mode: str, batch: int, inductor: dict, gemv_rows: int = 0, max_len: int = 640,
            gemv_fusion: bool | str = False) -> dict:
-    """One round of `mode` at batch `batch`, compiled: its graphs, launches by kind, and whole-cache buffers."""
+    """One round of `mode` at batch `batch`, compiled: its graphs, launches by kind and by graph (in compile order:
+    a tree round's verify graph, then the graph after its deliberate split), and whole-cache buffers."""
     from gpu_check import smollm2_shaped
 
     from hf_carryover import Drafter
@@ -136,6 +137,7 @@ def census(mode: str, batch: int, inductor: dict, gemv_rows: int = 0, max_len: i
     cache = engine._caches[batch][0].k[0]
     launches, whole = count_launches(written, cache.numel())
     return {"mode": mode, "batch": batch, "graphs": len(written), "launches": sum(launches.values()),
+            "graph_launches": [sum(count_launches([path])[0].values()) for path in written],
             "by_kind": dict(launches.most_common()), "whole_cache_buffers": whole,
             "cache_shape": list(cache.shape)}
 
@@ -207,8 +209,8 @@ def main(argv=None):
         for b in args.batch_sizes:
             rows.append(census(mode, b, inductor, args.gemv_rows, gemv_fusion=args.gemv_fusion))
             r = rows[-1]
-            print(f"{mode} b{b}: {r['graphs']} graph(s), {r['launches']} launches {r['by_kind']}, "
-                  f"{r['whole_cache_buffers']} whole-cache buffers", flush=True)
+            print(f"{mode} b{b}: {r['graphs']} graph(s), {r['launches']} launches ({r['graph_launches']} by graph) "
+                  f"{r['by_kind']}, {r['whole_cache_buffers']} whole-cache buffers", flush=True)
     res = {"command": "python " + " ".join([Path(__file__).relative_to(ROOT).as_posix(), *sys.argv[1:]]),
            "inductor": inductor, "gemv_rows": args.gemv_rows,
            "gemv_fusion": args.gemv_fusion, "env": environment(), "rows": rows}

@@ -148,10 +148,11 @@ class LinearRounds:
         also extend the committed sequence and compute the next round's lookup."""
         k, steps = st.k, self._steps
         done, n_out = st.done, st.n_out
-        emitted = torch.cat([drafts, torch.zeros_like(nxt)[:, None]], 1)
-        emitted.scatter_(1, a[:, None], nxt[:, None])  # accepted drafts, then the correction/bonus
-        # keep the first a+1 tokens, within the length budget, up to and including the first EOS
+        # accepted drafts, then the correction/bonus at column a: [b, k+1]. Pointwise (a padded read and a select),
+        # which inductor fuses into its readers; a scatter into a concatenated buffer was kernels of their own
         idx = steps[None, : k + 1]
+        emitted = torch.where(idx == a[:, None], nxt[:, None], torch.nn.functional.pad(drafts, (0, 1)))
+        # keep the first a+1 tokens, within the length budget, up to and including the first EOS
         keep = (idx <= a[:, None]) & (idx < (st.max_new - n_out)[:, None]) & ~done[:, None]
         eos_kept = is_eos(emitted, st.eos) & keep
         first_eos = torch.where(eos_kept.any(1), eos_kept.long().argmax(1), torch.full_like(a, k + 1))

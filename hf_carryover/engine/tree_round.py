@@ -116,19 +116,22 @@ class TreeRounds:
         k, steps, b = st.k, self._steps, st.b
         parent, rank = t["parent"], t["rank"]  # [b, N+1] (root first)
         n = parent.shape[1]
-        # child0[:, i] = node i's rank-0 child, n (a sentinel) where it has none; column n is the sentinel's own
-        child0 = torch.full((b, n + 1), n, dtype=torch.long, device=parent.device)
+        # child0[:, i] = node i's rank-0 child, n (a sentinel) where it has none; column n is the sentinel's own.
+        # One compare-and-argmax over [b, n+1, N] (33 x 31 at 31 nodes) rather than a scatter into a filled buffer:
+        # one small kernel in a compiled round instead of two
         first = rank[:, 1:] == 0  # [b, N]: every node but the root is somebody's child; rank-0 ones are unique
-        ids = steps[1:n][None].expand(b, -1)  # [b, N]
-        child0.scatter_(1, torch.where(first, parent[:, 1:], n), torch.where(first, ids, n))
+        is_child0 = (parent[:, None, 1:] == steps[: n + 1][None, :, None]) & first[:, None, :]  # [b, n+1, N]
+        child0 = torch.where(is_child0.any(-1), is_child0.long().argmax(-1) + 1, n)  # [b, n+1]
         cur = path.gather(1, a[:, None])  # [b, 1]: the deepest accepted node
         chain = []
         for _ in range(k):  # a Python loop over the fixed k: one gather per depth below the accepted node
             cur = child0.gather(1, cur)
             chain.append(cur)
         chain = torch.cat(chain, 1)  # [b, k], node ids or n
-        padded = torch.cat([feats, feats.new_zeros(b, 1, feats.shape[-1])], 1)  # [b, N+2, F]: the sentinel's row
-        st.carry.copy_(padded.gather(1, chain[..., None].expand(-1, -1, feats.shape[-1])))
+        # the chain's feature rows, the sentinel's zero (a clamped gather and a select, fused into the copy: no
+        # padded copy of feats)
+        rows = feats.gather(1, chain.clamp(max=n - 1)[..., None].expand(-1, -1, feats.shape[-1]))  # [b, k, F]
+        st.carry.copy_(torch.where((chain < n)[..., None], rows, 0))
         depth = a[:, None] + 1 + steps[None, :k]  # [b, k]: chain node s is at depth a + 1 + s
         budget = st.max_new - st.n_out - 1  # [b]: as in a linear round, only rows generate() would have verified
         st.carry_valid.copy_((chain < n) & (depth <= budget[:, None]) & ~st.done[:, None])
