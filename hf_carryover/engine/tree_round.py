@@ -113,7 +113,7 @@ class TreeRounds:
         rounds stay equal round for round (tested). Rows past the length budget are left out, as a linear round
         leaves out drafts generate() would not verify. Fixed shapes, no host sync: a chain shorter than k (the
         accepted node has no rank-0 child in the tree) leaves the rest of the buffer invalid."""
-        k, steps, b = st.k, self._steps, st.b
+        k, steps = st.k, self._steps
         parent, rank = t["parent"], t["rank"]  # [b, N+1] (root first)
         n = parent.shape[1]
         # child0[:, i] = node i's rank-0 child, n (a sentinel) where it has none; column n is the sentinel's own.

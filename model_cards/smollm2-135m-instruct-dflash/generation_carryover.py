@@ -396,7 +396,9 @@ def batched_context_lookup(seq: torch.Tensor, length: torch.Tensor, k: int, num:
     path pays one small kernel sequence per round instead of a Python scan of the whole sequence."""
     b, S = seq.shape
     steps = torch.arange(max(S, k, max_ngram), device=seq.device)
-    padded = torch.cat([seq, seq.new_zeros(b, max_ngram)], 1)  # [b, S + max_ngram]: windows past S read padding
+    # [b, S + max_ngram]: windows past S read padding (a pad, which a compiled round reads in place; a cat with
+    # zeros was two kernels)
+    padded = torch.nn.functional.pad(seq, (0, max_ngram))
     found = torch.zeros(b, dtype=torch.bool, device=seq.device)
     start = torch.zeros(b, dtype=torch.long, device=seq.device)  # where the copied continuation starts (s + n)
     ngram = torch.zeros(b, dtype=torch.long, device=seq.device)
