@@ -135,10 +135,11 @@ def census(mode: str, batch: int, inductor: dict, gemv_rows: int = 0, max_len: i
         except _Stop:
             pass
     cache = engine._caches[batch][0].k[0]
-    launches, whole = count_launches(written, cache.numel())
+    per_graph = [count_launches([path], cache.numel()) for path in written]  # each graph's code read once
+    launches = sum((c for c, _ in per_graph), Counter())
     return {"mode": mode, "batch": batch, "graphs": len(written), "launches": sum(launches.values()),
-            "graph_launches": [sum(count_launches([path])[0].values()) for path in written],
-            "by_kind": dict(launches.most_common()), "whole_cache_buffers": whole,
+            "graph_launches": [sum(c.values()) for c, _ in per_graph],
+            "by_kind": dict(launches.most_common()), "whole_cache_buffers": sum(w for _, w in per_graph),
             "cache_shape": list(cache.shape)}
 
 
