@@ -511,3 +511,30 @@ def test_rotate_half_rewrite_gives_the_same_bits():
         if dtype == torch.float32:
             for a, b in zip(outs[1], apply_rotary_pos_emb(q, k, cos, sin)):
                 assert torch.equal(a, b)
+
+
+def test_compiled_target_features_are_the_drafters_cat_without_a_cat():
+    """`SpeculativeEngine.target_features`: compiled (the engine's rounds and row prefill), the tapped layers are
+    assigned into slices of one buffer, with no `cat` left in the graph inductor lowers; eager, the drafter's own
+    `cat`. Both give `Drafter.target_features`' bits, in float32 and bfloat16, with the tapped layers out of order."""
+    target = build_target("llama", num_layers=5)
+    drafter = build_drafter(target, "dflash", True, target_layer_ids=[2, 0, 3])
+    engine = SpeculativeEngine(target, drafter, max_len=32)
+    g = torch.Generator().manual_seed(0)
+    cats = []
+
+    def count_cats(graph):
+        cats.append(sum(n.target is torch.ops.aten.cat.default for n in graph.nodes))
+
+    import torch._inductor.config as inductor_config
+
+    for dtype in (torch.float32, torch.bfloat16):
+        hidden = tuple(torch.randn(2, 5, target.config.hidden_size, generator=g).to(dtype) for _ in range(6))
+        want = drafter.target_features(hidden)
+        assert want.shape == (2, 5, 3 * target.config.hidden_size)
+        assert torch.equal(engine.target_features(hidden), want)
+        torch._dynamo.reset()
+        with inductor_config.patch({"post_grad_custom_pre_pass": count_cats, "fx_graph_cache": False}):
+            got = torch.compile(lambda *h: engine.target_features(h), fullgraph=True)(*hidden)
+        assert got.dtype == dtype and torch.equal(got, want)
+    assert cats == [0, 0]

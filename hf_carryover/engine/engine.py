@@ -442,8 +442,27 @@ class SpeculativeEngine(DecodeLoop, CapturedRounds, LinearRounds, TreeRounds):
         out = self.target(input_ids=tokens, position_ids=positions, attention_mask=mask,
                           use_cache=True, output_hidden_states=self.drafter is not None,
                           **{self._cache_kw: cache}, **self._key_end(cache.positions))
-        feats = self.drafter.target_features(out.hidden_states) if self.drafter is not None else None
+        feats = self.target_features(out.hidden_states) if self.drafter is not None else None
         return out.logits.float(), feats
+
+    def target_features(self, hidden_states: tuple) -> torch.Tensor:
+        """The drafter's target features `[b, n, len(ids) * d]` from an HF `hidden_states` tuple, the values of
+        `Drafter.target_features`. Compiled, each tapped layer's output is assigned into a slice of one new buffer
+        instead of concatenated: a layer's output is a residual sum inductor keeps unwritten, and its `cat` copies each
+        into its slice in a kernel of its own placed at the graph's end, too far from the layer for inductor (64
+        nodes) to fuse it into the next layer's norm kernel, which reads the same sum. The slice assignments lower to
+        one pointwise kernel for all tapped layers: a tree + lookup round 412 -> 409 launches in
+        `examples/kernel_census.py` (h200-2026-12-07/cpu/). Uncompiled (CUDA graphs alone) one cat kernel beats a
+        copy per layer."""
+        if not torch.compiler.is_compiling():
+            return self.drafter.target_features(hidden_states)
+        ids = self.drafter.config.target_layer_ids
+        first = hidden_states[ids[0] + 1]  # layer i's output is entry i + 1 (entry 0: the embeddings)
+        d = first.shape[-1]
+        feats = first.new_empty(*first.shape[:-1], len(ids) * d)  # [b, n, len(ids) * d]
+        for j, i in enumerate(ids):
+            feats[..., j * d:(j + 1) * d] = hidden_states[i + 1]
+        return feats
 
     def _key_end(self, slots: torch.Tensor, ordered: bool = False) -> dict:
         """The target forward's keyword for the attention kernel's `key_end` (`attention_key_end`; {} when off, so

@@ -117,7 +117,7 @@ class RowPrefill:
         # out.logits [slots, slots, vocab]: every slot's row at every slot's `last`; slot j's own is [j, j]
         logits.copy_(out.logits.diagonal(0, 0, 1).t().float())
         if eng.drafter is not None:
-            feats = eng.drafter.target_features(out.hidden_states)
+            feats = eng.target_features(out.hidden_states)
             self.dcache.write(eng.drafter, eng.drafter.fuse(feats), pos)
 
     def _pairs(self) -> list:
