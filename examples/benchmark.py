@@ -67,6 +67,36 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
+def _compile_clock():
+    """Calls and seconds per torch.compile phase so far (the `dynamo_timed` phases that
+    `torch._dynamo.utils.compilation_time_metrics` accumulates per process).
+
+    Why: a compiled engine row cost 105-192 s of a call on the GPUs while its timed pass took 4-12 s
+    (`row_wall_s` against `seconds`), and a session's device time goes mostly there. The difference of two
+    clocks (`_compile_split`) says which phases a row's warm-up spent it in."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:  # a torch without it: the row keeps its other fields
+        return {}
+    return {k: (len(v), sum(v)) for k, v in compilation_time_metrics.items()}
+
+
+def _compile_split(before, after, top=20):
+    """The phases of `after` that grew since `before`, slowest first: {phase: [calls, seconds]}. Phases nest
+    (a frame's compile holds its graph's lowering, which holds its kernels' compilation), so they do not add up."""
+    grown = {k: (n - before.get(k, (0, 0.0))[0], s - before.get(k, (0, 0.0))[1]) for k, (n, s) in after.items()}
+    grown = sorted(((k, n, s) for k, (n, s) in grown.items() if n > 0), key=lambda x: -x[2])
+    return {k: [n, round(s, 2)] for k, n, s in grown[:top]}
+
+
+def _row_cost(res) -> str:
+    """The printed tail of a row's line: its whole wall time and, for engine rows, the warm-up's part of it."""
+    if "row_wall_s" not in res:
+        return ""
+    warm = f", warm-up {res['warmup_s']:.0f} s in {res['warmup_calls']} calls" if "warmup_s" in res else ""
+    return f"  (row {res['row_wall_s']:.0f} s{warm})"
+
+
 def load_target(name, dtype, device):
     if name == "tiny":  # plumbing smoke test (tests/test_benchmark_script.py)
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -171,9 +201,11 @@ def make_engine(target, drafter, max_len, profile=False, cuda_graphs=False, comp
     if own is not None and not isinstance(own, dict):
         raise SystemExit(f"compile_options={own!r}: expected a dict of inductor options, e.g. "
                          "compile_options={'coordinate_descent_tuning':True}")
+    t0 = time.perf_counter()
     engine = SpeculativeEngine(target, drafter, max_len=max_len, profile=profile, cuda_graphs=cuda_graphs,
                                compile=compile, compile_options={**(compile_options or {}), **(own or {})}, **options)
     engine.options = {**options, **({"compile_options": own} if own else {})}  # what run_engine records in each row
+    engine.build_s = time.perf_counter() - t0  # reported by the engine's first row (run_engine), then cleared
     return engine
 
 
@@ -253,11 +285,22 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
     from hf_carryover.engine.refill import width_bucket
 
     seen = set()  # warm-up, capture and compile outside the timed loop: per batch shape, and per prompt-width bucket
+    clock, t0, warm_calls = _compile_clock(), time.perf_counter(), 0
     for c in chunks:  # (a captured row prefill graph each, `refill.py`)
         new = {(len(c), width_bucket(len(p), engine.max_len)) for p in c} - seen
         if new:
             engine.generate(c, **kw)
             seen |= new
+            warm_calls += 1
+    _sync()
+    # where the row's untimed cost went: the warm-up calls' wall time (compiles, captures and their decoding), their
+    # compile phases, and the engine's build where this row is its first
+    warmup = {"warmup_s": round(time.perf_counter() - t0, 2), "warmup_calls": warm_calls}
+    if getattr(engine, "build_s", None) is not None:  # make_engine's build, on the engine's first row only
+        warmup["engine_build_s"], engine.build_s = round(engine.build_s, 2), None
+    if engine.compile:
+        after = _compile_clock()
+        warmup["compile_phases_s"], clock = _compile_split(clock, after), after
     engine.timing = dict.fromkeys(engine.timing, 0)  # the profile covers the timed calls only
     n_tok, secs, acc, modes, looked, skipped, launched, on_kernel = 0, 0.0, [], [], 0, 0, 0, 0
     prompt_rounds, prompt_tokens = [], []  # per prompt, in order: what `examples/batch_fill.py` batches anew
@@ -275,7 +318,10 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
         modes.append(engine.last_mode)
     res = {"tokens": n_tok, "seconds": secs, "tok_per_s": n_tok / secs,
            "tau": (sum(acc) + len(acc)) / len(acc) if (drafter is not None or lookup) and acc else None,
-           "mode": " | ".join(dict.fromkeys(modes))}  # one mode unless some batch shapes could not be captured
+           "mode": " | ".join(dict.fromkeys(modes)), **warmup}  # one mode unless some shapes could not be captured
+    late = _compile_split(clock, _compile_clock()) if engine.compile else None
+    if late:  # compiled inside the timed calls (a shape the warm-up missed): their time holds it
+        res["timed_compile_phases_s"] = late
     if lookup:
         res.update(lookup=lookup, lookup_round_share=looked / max(len(acc), 1), drafter_skipped_rounds=skipped)
     if launched:
@@ -524,8 +570,7 @@ def main():
         write_summary()
         print(f"{res['dataset']:10s} {res['method']:28s} {res['tok_per_s']:8.1f} tok/s  τ {res['tau'] or '-'}"
               f"{'  ' + res['mode'] if 'mode' in res else ''}{'  pass %d' % res['pass'] if 'pass' in res else ''}"
-              f"{'  (row %.0f s)' % res['row_wall_s'] if 'row_wall_s' in res else ''}",
-              flush=True)
+              f"{_row_cost(res)}", flush=True)
 
     def write_summary():
         """bench.json and bench.md from the rows so far (called after every row, so a cut run keeps its summary)."""

@@ -367,6 +367,33 @@ def test_benchmark_engine_rows_split_a_batch_into_launched_rounds_and_row_rounds
     assert own[0] < max(own)  # the EOS really ended a row early
 
 
+def test_benchmark_engine_rows_split_their_untimed_cost():
+    """A row records what its untimed part cost: the engine's build (its first row only), the warm-up calls (one per
+    batch shape and prompt-width bucket) and, compiled, the compile phases they ran. A second row on the same engine
+    and shapes warms up again but compiles nothing, and no row compiles inside its timed calls."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from benchmark import make_engine, run_engine
+
+    from hf_carryover.engine.refill import width_bucket
+
+    target = build_target("llama", seed=5)
+    prompts = [[3, 7, 11], [2, 4, 6, 8] * 33, [8, 10, 12, 14]]  # two width buckets (128 and 256)
+    buckets = {width_bucket(len(p), 320) for p in prompts}
+    assert len(buckets) == 2
+    engine = make_engine(target, build_drafter(target, "dflash", True), 320, compile="aot_eager")
+    first = run_engine(engine, prompts, 6, 1, None)
+    assert first["warmup_calls"] == 2 and first["warmup_s"] > 0 and first["engine_build_s"] >= 0
+    phases = first["compile_phases_s"]
+    assert phases and all(n >= 1 and t >= 0 for n, t in phases.values()), phases
+    assert max(t for _, t in phases.values()) <= first["warmup_s"]  # nested phases, each within the warm-up
+    assert "timed_compile_phases_s" not in first
+    again = run_engine(engine, prompts, 6, 1, None)
+    assert again["warmup_calls"] == 2 and again["compile_phases_s"] == {} and "engine_build_s" not in again
+    assert again["tokens"] == first["tokens"]
+    eager = run_engine(make_engine(target, None, 320), prompts[:1], 6, 1, None)
+    assert eager["warmup_calls"] == 1 and "compile_phases_s" not in eager
+
+
 def test_benchmark_refuses_lookup_rows_the_drafter_code_ignores(monkeypatch):
     """A drafter folder saved before context lookup existed runs remote code that ignores prompt_lookup_num_tokens
     (2026-11-30h: such rows measured plain drafting under the lookup label). run_hf must stop with the folder named,
