@@ -203,11 +203,11 @@ def make_engine(target, drafter, max_len, profile=False, cuda_graphs=False, comp
     if own is not None and not isinstance(own, dict):
         raise SystemExit(f"compile_options={own!r}: expected a dict of inductor options, e.g. "
                          "compile_options={'coordinate_descent_tuning':True}")
-    t0 = time.perf_counter()
-    engine = SpeculativeEngine(target, drafter, max_len=max_len, profile=profile, cuda_graphs=cuda_graphs,
-                               compile=compile, compile_options={**(compile_options or {}), **(own or {})}, **options)
+    engine, build_s = _timed(lambda: SpeculativeEngine(
+        target, drafter, max_len=max_len, profile=profile, cuda_graphs=cuda_graphs, compile=compile,
+        compile_options={**(compile_options or {}), **(own or {})}, **options))
     engine.options = {**options, **({"compile_options": own} if own else {})}  # what run_engine records in each row
-    engine.build_s = time.perf_counter() - t0  # reported by the engine's first row (run_engine), then cleared
+    engine.build_s = build_s  # reported by the engine's first row (run_engine), then cleared
     return engine
 
 
@@ -286,18 +286,21 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
         kw.update(tree=tree, tree_nodes=tree_nodes)
     from hf_carryover.engine.refill import width_bucket
 
-    seen = set()  # warm-up, capture and compile outside the timed loop: per batch shape, and per prompt-width bucket
-    clock, t0, warm_calls = _compile_clock(), time.perf_counter(), 0
-    for c in chunks:  # (a captured row prefill graph each, `refill.py`)
-        new = {(len(c), width_bucket(len(p), engine.max_len)) for p in c} - seen
-        if new:
-            engine.generate(c, **kw)
-            seen |= new
-            warm_calls += 1
-    _sync()
+    def warm_up():  # capture and compile outside the timed loop: per batch shape, and per prompt-width bucket
+        seen, calls = set(), 0
+        for c in chunks:  # (a captured row prefill graph each, `refill.py`)
+            new = {(len(c), width_bucket(len(p), engine.max_len)) for p in c} - seen
+            if new:
+                engine.generate(c, **kw)
+                seen |= new
+                calls += 1
+        return calls
+
+    clock = _compile_clock()
+    warm_calls, warm_s = _timed(warm_up)
     # where the row's untimed cost went: the warm-up calls' wall time (compiles, captures and their decoding), their
     # compile phases, and the engine's build where this row is its first
-    warmup = {"warmup_s": round(time.perf_counter() - t0, 2), "warmup_calls": warm_calls}
+    warmup = {"warmup_s": round(warm_s, 2), "warmup_calls": warm_calls}
     if getattr(engine, "build_s", None) is not None:  # make_engine's build, on the engine's first row only
         warmup["engine_build_s"], engine.build_s = round(engine.build_s, 2), None
     if engine.compile:
