@@ -212,7 +212,7 @@ def main(argv=None):
             r = rows[-1]
             print(f"{mode} b{b}: {r['graphs']} graph(s), {r['launches']} launches ({r['graph_launches']} by graph) "
                   f"{r['by_kind']}, {r['whole_cache_buffers']} whole-cache buffers", flush=True)
-    res = {"command": "python " + " ".join([Path(__file__).relative_to(ROOT).as_posix(), *sys.argv[1:]]),
+    res = {"command": "python " + " ".join([Path(__file__).resolve().relative_to(ROOT).as_posix(), *sys.argv[1:]]),
            "inductor": inductor, "gemv_rows": args.gemv_rows,
            "gemv_fusion": args.gemv_fusion, "env": environment(), "rows": rows}
     if args.out:

@@ -447,10 +447,10 @@ def test_gemv_rows_generates_one_row_gemms_as_reductions():
 
 
 def test_fused_linear_rows_auto_only_where_timed(monkeypatch):
-    """fused_linear_rows="auto" (the default) is 1 only where it was timed faster: a CUDA target with Triton, frozen
+    """fused_linear_rows="auto" (the default) is 32 only where it was timed faster: a CUDA target with Triton, frozen
     weights and the pass's slot free, projections of at most 2048 inputs (the reference target: 576 and 1536); the
-    same compile conditions as gemv_rows="auto". A CPU target resolves to 0 and so is not refused for lacking a GPU;
-    other values are refused by name."""
+    same compile conditions as gemv_rows="auto" (1 there). A CPU target resolves to 0 and so is not refused for
+    lacking a GPU; other values are refused by name."""
     target = build_target("llama")
     frozen, cuda = {"freezing": True}, torch.device("cuda", 0)
     for options in ({}, frozen):
@@ -459,15 +459,15 @@ def test_fused_linear_rows_auto_only_where_timed(monkeypatch):
     assert engine.fused_projections.fused_rows == 0  # the frozen engine's own pass runs, folding nothing
     assert SpeculativeEngine(target, None, max_len=96).fused_linear_rows == 0  # not compiled
     monkeypatch.setattr(capture_mod, "triton_available", lambda device: None)  # as on a GPU with Triton
-    for auto in (auto_gemv_rows, auto_fused_linear_rows):  # both turn on under the same compile conditions
-        assert auto(True, cuda, frozen, target.config) == 1
-        assert auto(True, "cuda", frozen, target.config) == 1
+    for auto, on in ((auto_gemv_rows, 1), (auto_fused_linear_rows, 32)):  # on under the same conditions
+        assert auto(True, cuda, frozen, target.config) == on
+        assert auto(True, "cuda", frozen, target.config) == on
         assert auto(False, cuda, frozen, target.config) == 0  # no compile
         assert auto(True, cuda, {}, target.config) == 0  # weights not frozen
         assert auto(True, cuda, {**frozen, "post_grad_custom_pre_pass": None}, target.config) == 0
         assert auto(True, "cpu", frozen, target.config) == 0
     as_config = lambda **kw: type(target.config)(**{**target.config.to_dict(), **kw})  # noqa: E731
-    assert auto_fused_linear_rows(True, cuda, frozen, as_config(hidden_size=576, intermediate_size=1536)) == 1
+    assert auto_fused_linear_rows(True, cuda, frozen, as_config(hidden_size=576, intermediate_size=1536)) == 32
     assert auto_fused_linear_rows(True, cuda, frozen, as_config(hidden_size=2560, intermediate_size=9728)) == 0
     assert auto_fused_linear_rows(True, cuda, frozen, as_config(hidden_size=1024, intermediate_size=4096)) == 0
     monkeypatch.setattr(capture_mod, "triton_available", lambda device: "Triton is not installed")

@@ -268,12 +268,15 @@ class SpeculativeEngine(DecodeLoop, CapturedRounds, LinearRounds, TreeRounds):
         `h100-2026-12-07e`), and after the norm pass's restructure (`dc0a7fe`) 2.3 % cheaper (1.326 against 1.357 ms,
         a folded GEMM 4.86 us, `h100-2026-12-07g`); on the reference target that tree round was 2.2 % cheaper with
         N=32 too (1.339 against 1.370 ms on 80 MT-Bench prompts, 2597.5 against 2527.2 tok/s, `h100-2026-12-07h`),
-        not yet checked in fp32 on the GPU nor timed on HumanEval or at batch 8. On the reference target N=1 made a
+        3.3 % on 80 HumanEval ones (1.366 against 1.412 ms, `h100-2026-12-07i`, where the compiled fp32 check of tree
+        rounds passed with it), and at batch 8 (continuous, 64 MT-Bench prompts, `h100-2026-12-07j`) 0.2 % a launched
+        round (12542.2 against 12316.0 tok/s) and 0.5 % a plain step (6280.4 against 6219.7). N=1 made a
         plain step 20.9 % cheaper on 80 MT-Bench prompts (0.725 against 0.916 ms, 1379.9 against 1091.4 tok/s) and
         20.4 % on 80 HumanEval ones (0.744 against 0.934), and N=8 made a batch-8 step 3.3 % dearer (1.288 against
         1.247 ms); the compiled fp32 check of plain steps passed with N=1 (an H100, one machine start,
-        `h100-2026-12-06h`). "auto" (the default) is 1 where that was timed on the real target: a CUDA target with
-        Triton and frozen weights whose projections take at most 2048 inputs (`capture.auto_fused_linear_rows`), else 0.
+        `h100-2026-12-06h`; before `dc0a7fe`). "auto" (the default) is 32 where that was timed on the real target: a
+        CUDA target with Triton and frozen weights whose projections take at most 2048 inputs
+        (`capture.auto_fused_linear_rows`; linear rounds untimed with it), else 0; until 2026-12-07 it was 1.
         `self.fused_linear_rows` holds what was chosen. (A late norm for the multi-row kernel lost and was removed:
         `fused_linear.py`'s docstring.)"""
         if not any(rope_table is v for v in (True, False)) and rope_table != "auto":
