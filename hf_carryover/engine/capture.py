@@ -76,7 +76,7 @@ def auto_fused_linear_rows(compile, device, compile_options: dict, config) -> in
     2.2 % cheaper on MT-Bench (`h100-2026-12-07h`) and 3.3 % on HumanEval (`h100-2026-12-07i`); at batch 8
     (continuous, MT-Bench, `h100-2026-12-07j`) a plain step 0.5 % and a tree round 0.2 % cheaper, tokens/s +1.0 and
     +1.8 %. The GPU's compiled fp32 check passed for plain steps with one row and for tree rounds with 32. Linear
-    rounds (17 verified rows) were not timed with it. Until 2026-12-07 "auto" was 1: the tiled form had lost a tree
+    rounds (16 verified rows) were not timed with it. Until 2026-12-07 "auto" was 1: the tiled form had lost a tree
     round (+3.2 %, `h100-2026-12-06g`, the vocabulary head on it) and a batch-8 step (+3.3 %, `h100-2026-12-06h`)
     before the heads went back to cuBLAS and the norm pass of `dc0a7fe`. Any dtype: the bf16 rows were timed, and
     fp32 engines take the same path so that the compiled fp32 check covers the default."""
