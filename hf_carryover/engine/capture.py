@@ -71,15 +71,16 @@ def auto_fused_linear_rows(compile, device, compile_options: dict, config) -> in
     runs (`runs_own_pass`), whose widest projection input (hidden or intermediate size) is at most 2048. Why that
     bound: the kernels load a program's weight rows and x whole, K padded to a power of two; they were timed at the
     reference target's 576 and 1536, and at a 4B target's 9728 a program's tile would be eight times wider, untimed.
-    What 32 rows were timed at on the reference target (an H100; `examples/results/`): a batch-1 plain step 20.9 %
-    cheaper on MT-Bench and 20.4 % on HumanEval with one row (`h100-2026-12-06h`); a batch-1 tree 31 + lookup round
-    2.2 % cheaper on MT-Bench (`h100-2026-12-07h`) and 3.3 % on HumanEval (`h100-2026-12-07i`); at batch 8
+    Timed on the reference target (an H100; `examples/results/`): a batch-1 plain step (one row, the one-row kernel
+    whatever N) 20.9 % cheaper on MT-Bench and 20.4 % on HumanEval (`h100-2026-12-06h`); a batch-1 tree 31 + lookup
+    round 2.2 % cheaper on MT-Bench (`h100-2026-12-07h`) and 3.3 % on HumanEval (`h100-2026-12-07i`); at batch 8
     (continuous, MT-Bench, `h100-2026-12-07j`) a plain step 0.5 % and a tree round 0.2 % cheaper, tokens/s +1.0 and
-    +1.8 %. The GPU's compiled fp32 check passed for plain steps with one row and for tree rounds with 32. Linear
-    rounds (16 verified rows) were not timed with it. Until 2026-12-07 "auto" was 1: the tiled form had lost a tree
-    round (+3.2 %, `h100-2026-12-06g`, the vocabulary head on it) and a batch-8 step (+3.3 %, `h100-2026-12-06h`)
-    before the heads went back to cuBLAS and the norm pass of `dc0a7fe`. Any dtype: the bf16 rows were timed, and
-    fp32 engines take the same path so that the compiled fp32 check covers the default."""
+    +1.8 %. The GPU's compiled fp32 check passed for batch-1 plain steps and batch-1 tree rounds with 32 (the tiled
+    kernel), not yet at batch 8. Linear rounds (16 verified rows) were not timed with it. Until 2026-12-07 "auto"
+    was 1: the tiled form had lost a tree round (+3.2 %, `h100-2026-12-06g`, the vocabulary head on it) and a batch-8
+    step (+3.3 %, `h100-2026-12-06h`) before the heads went back to cuBLAS and the norm pass of `dc0a7fe`. Any dtype:
+    the bf16 rows were timed, and fp32 engines take the same path so that the compiled fp32 check covers the
+    default."""
     widest = max(getattr(config, "hidden_size", 1 << 30), getattr(config, "intermediate_size", 0) or 0)
     on = (runs_own_pass(compile, compile_options) and _is_cuda(device) and triton_available(device) is None
           and widest <= 2048)

@@ -28,7 +28,8 @@ more, masked). The arithmetic is a GEMM's: products summed in float32 (float64 f
 for float32), one rounding at the end, in another order than cuBLAS.
 
 The engine uses it through `fused_linear_rows` (`fold_linears.py` finds the patterns in frozen compiled graphs;
-"auto", the default, is 1 for CUDA targets of the widths where it was timed: one-row steps only). On an H100 it made
+"auto", the default, is 32 rows for CUDA targets of the widths where it was timed; 1 until 2026-12-07, when tree
+rounds and batch 8 were timed with 32, `capture.auto_fused_linear_rows`). On an H100 it made
 the reference target's batch-1 plain step 20.9 % cheaper (0.725 against 0.916 ms, 80 MT-Bench prompts,
 `examples/results/h100-2026-12-06h`); on random weights of its shapes with N=32 (`h100-2026-12-06g`) a plain step
 11.6 % cheaper (226 kernels against 318) and a tree 31 + lookup round 3.2 % dearer (1.401 against 1.358 ms: the
