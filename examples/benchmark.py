@@ -32,14 +32,16 @@ Methods (each skipped with a recorded reason when it cannot run here):
 Engine rows record `mode`: how the engine ran ("eager", "cuda_graph", or why graphs were not used).
 vLLM rows (vllm_ar@b, vllm_dflash:<name>@b) come from examples/bench_vllm.py run with the same --out.
 Timing: warm-up excluded, CUDA-synchronised wall time; `--passes N` times every method N times in alternating
-order and reports the median pass. Every finished measurement is appended to `<out>/bench_raw.jsonl`;
-`<out>/bench.json` and `<out>/bench.md` summarise with environment, rewritten after every row (a time box that cuts the
-run leaves the summary of the rows that finished).
+order and reports the median pass; `--timing_turn DIR:I:N` makes this process slot I of N that compile side by
+side on one GPU and time one at a time (`timing_turns.py`). Every finished measurement is appended to
+`<out>/bench_raw.jsonl`; `<out>/bench.json` and `<out>/bench.md` summarise with environment, rewritten after every
+row (a time box that cuts the run leaves the summary of the rows that finished).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import re
@@ -257,6 +259,7 @@ def parse_engine_options(pairs) -> dict:
     return _parse_pairs(pairs, "engine option", "attention=triton", text_ok=True)
 
 
+_TURN = None  # --timing_turn's TimingTurn (main)
 _WARNED_PARTIAL: set = set()  # (prompts, batch) already warned about a partial last static batch
 
 
@@ -307,6 +310,8 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
         after = _compile_clock()
         warmup["compile_phases_s"], clock = _compile_split(clock, after), after
     engine.timing = dict.fromkeys(engine.timing, 0)  # the profile covers the timed calls only
+    if _TURN is not None:  # --timing_turn: warmed up; time when the other processes have and this slot's turn comes
+        _TURN.begin()
     n_tok, secs, acc, modes, looked, skipped, launched, on_kernel = 0, 0.0, [], [], 0, 0, 0, 0
     prompt_rounds, prompt_tokens = [], []  # per prompt, in order: what `examples/batch_fill.py` batches anew
     for i, chunk in enumerate(chunks):
@@ -321,6 +326,8 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
         looked += sum(map(sum, engine.lookup_rounds))
         skipped += engine.skipped_drafts
         modes.append(engine.last_mode)
+    if _TURN is not None:
+        _TURN.end()
     res = {"tokens": n_tok, "seconds": secs, "tok_per_s": n_tok / secs,
            "tau": (sum(acc) + len(acc)) / len(acc) if (drafter is not None or lookup) and acc else None,
            "mode": " | ".join(dict.fromkeys(modes)), **warmup}  # one mode unless some shapes could not be captured
@@ -433,10 +440,23 @@ def main():
     p.add_argument("--ignore_eos", action="store_true", help="engine rows decode max_new_tokens per prompt, past any "
                    "EOS, so the caches fill to a known length (e.g. one-row attention timed at 2000 keys in use); "
                    "only engine rows can (select them with --methods); recorded as ignore_eos")
+    p.add_argument("--timing_turn", metavar="DIR:I:N", help="slot I of N benchmark processes sharing one GPU and "
+                   "directory DIR: this process's one row warms up (compiles) beside the others, then waits until all "
+                   "have warmed up and times in slot order, alone (examples/timing_turns.py); recorded as timing_turn")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if args.passes < 1:
         p.error(f"--passes must be at least 1, not {args.passes}")
+    global _TURN
+    _TURN = None  # (main() may run again in one process: the tests' in-process runs)
+    if args.timing_turn:
+        from timing_turns import TimingTurn
+
+        try:
+            _TURN = TimingTurn(args.timing_turn)
+        except ValueError as e:
+            p.error(str(e))
+        atexit.register(_TURN.end)  # also when this process fails: the group goes on without its row
     compile_options = parse_inductor_options(args.inductor)
     engine_options = parse_engine_options(args.engine_options)
     ar_variants = parse_ar_variants(args.ar_variant)
@@ -553,6 +573,11 @@ def main():
             return {row, base, re.sub(r"(\d+|all)$", "", base) if "_tree" in base else base}
 
         methods = [m for m in methods if names(m[0]) & set(args.methods)]
+    if _TURN is not None and (len(methods) * len(args.datasets) != 1 or args.passes != 1):
+        # a second row would compile after this one's turn, beside the timed rows of the others
+        p.error(f"--timing_turn times one row per process, in one pass; this one has {len(args.datasets)} "
+                f"dataset(s) x {len(methods)} method(s) ({', '.join(n for n, _ in methods)}) and --passes "
+                f"{args.passes}: give each row a process of its own")
     if args.ignore_eos and any(not n.startswith("engine") for n, _ in methods):
         # generate() would need a logits processor to go past EOS, which changes what its rows time
         p.error("--ignore_eos applies to engine rows only; select them with --methods (not: "
@@ -631,7 +656,12 @@ def main():
             for name, fn in methods:
                 t0 = time.perf_counter()
                 warm(name, fn, prompts)
+                if _TURN is not None and not name.startswith("engine"):  # (engine rows wait inside run_engine,
+                    _TURN.begin()  # after their own warm-up)
                 res = measure(name, fn, dataset, prompts)
+                if _TURN is not None:
+                    _TURN.end()
+                    res["timing_turn"] = dict(_TURN.info)
                 # the row's whole cost, with the engine's build, compile and graph capture on its first use: what a
                 # time-boxed job spends per row (the 2026-11-30g jobs finished only 2-6 rows in 250-270 s)
                 res["row_wall_s"] = round(time.perf_counter() - t0, 1)

@@ -29,7 +29,8 @@
 #           .device/inductor/`). Make the bundle on a networked machine with
 #           `bash ../shared/tools/make_vllm_bundle.sh .vllm/bundle`; /.vllm/ is git-ignored.
 #   engine  benchmark rows (engine, HF) and the fp32 compile check on both GPUs without vLLM: E0, E1 are each
-#           GPU's jobs in order (see the phase); PACK_CACHE=1 returns its inductor cache as tar parts (pack_cache)
+#           GPU's jobs in order (see the phase; ENGINE_TURNS=1: side by side, one row a job, timed in turns);
+#           PACK_CACHE=1 returns its inductor cache as tar parts (pack_cache)
 #   vllm    vLLM 0.26 against our engine on the same prompts, target weights and settings (GPU 0: examples/bench_vllm.py,
 #           GPU 1 or after it: benchmark.py engine rows), both appending to results/vllm/bench/bench_raw.jsonl. Needs
 #           vllmstash's install and the converted target (train1), or .device/p2 + .whl carried to convert it here.
@@ -68,7 +69,10 @@ log() { echo "[$(date +%T)] $*" | tee -a "$L/pipeline.log"; }
 # logs travel as one tarball, written even when a step fails
 R=$A/results/$phase  # small result files: one tarball back, with the logs, even when a step fails
 mkdir -p "$R"
-flush() { tar czf "$A/.r.tgz" -C "$A" logs results 2>/dev/null && mv "$A/.r.tgz" "$OUT/results-$phase.tgz" || true; }
+flush() {  # (a temporary file per shell: ENGINE_TURNS=1 jobs flush side by side)
+  local t="$A/.r.$BASHPID.tgz"
+  tar czf "$t" -C "$A" logs results 2>/dev/null && mv "$t" "$OUT/results-$phase.tgz" || rm -f "$t"
+}
 trap flush EXIT
 
 . "$(dirname "${BASH_SOURCE[0]}")/pipeline_lib.sh"  # serve_target ... resolve_drafter: the phases' shell functions
@@ -471,7 +475,10 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
   have_target || join_gguf
   serve_target; S=$A/serve
   [ -d "$A/prompts" ] || cp -r assets/prompts "$A/prompts"
-  ejob() {  # ejob GPU INDEX "METHODS|DRAFTERS|DATASETS|FLAGS"
+  ejob() {  # ejob GPU INDEX "METHODS|DRAFTERS|DATASETS|FLAGS"; TURN=DIR:I:N: benchmark.py's --timing_turn
+    if [ -n "${TURN:-}" ] && [[ "$3" != *"|"* ]]; then  # would run beside the group's timed rows
+      log "job '$3' skipped: ENGINE_TURNS=1 runs benchmark rows only"; return
+    fi
     if [ "$3" = check ]; then  # CHECK_DRAFTER=NAME: the real target, that trained drafter and MT-Bench prompts
       T=""; if [ -n "${CHECK_DRAFTER:-}" ]; then f=$(drafter_dir $CHECK_DRAFTER)
         T="--target reference --drafter $f --prompts_dir $A/prompts"; fi
@@ -539,12 +546,23 @@ engine)  # engine (and HF) benchmark rows without vLLM, on two GPUs: E0 / E1 are
       if [[ $n == *=* ]]; then D="$D $(resolve_drafter $n)"; else D="$D $n=$(drafter_dir $n)"; fi; done
     CUDA_VISIBLE_DEVICES=$(gpu $1) timeout $(call_box ${box:-${ENGINE_BOX:-300}}) $(pin $1) python3 examples/benchmark.py --target $S/target --prompts_dir $A/prompts \
       --methods $m ${D:+--drafters $D} --datasets $ds --limit ${VLLM_LIMIT:-10} --max_new_tokens ${VLLM_MAX_NEW:-256} \
-      --batch_sizes ${VLLM_BATCHES:-1 8} --cuda_graphs ${ENGINE_FLAGS:-} $fl --out $R/${stamp}_gpu$1_$2 > "$L/bench_${stamp}_gpu$1_$2.log" 2>&1 \
+      --batch_sizes ${VLLM_BATCHES:-1 8} --cuda_graphs ${ENGINE_FLAGS:-} $fl ${TURN:+--timing_turn $TURN} \
+      --out $R/${stamp}_gpu$1_$2 > "$L/bench_${stamp}_gpu$1_$2.log" 2>&1 \
       || log "engine job $2 on GPU $1 stopped: $?"
     flush
   }
-  gjobs() {  # the jobs of one GPU in order (each trimmed of surrounding blanks)
-    local g=$1 i=0; IFS=';' read -ra J <<< "$2"
+  gjobs() {  # the jobs of one GPU in order (each trimmed of surrounding blanks); ENGINE_TURNS=1: side by side, each
+    # job one benchmark row (one drafter, dataset, batch size and method) that compiles beside the others and times
+    # alone, in job order (benchmark.py --timing_turn, examples/timing_turns.py); `done` is marked again after each
+    # job's process ends, so a job that fails or runs out of its box releases the others
+    local g=$1 i=0 n=0 k=0 dir; IFS=';' read -ra J <<< "$2"
+    if [ "${ENGINE_TURNS:-0}" = 1 ]; then
+      dir=$R/turns_${stamp}_gpu$g; mkdir -p "$dir"
+      for j in "${J[@]}"; do [ -n "$(sed 's/^ *//; s/ *$//' <<< "$j")" ] && n=$((n+1)); done
+      for j in "${J[@]}"; do j=$(sed 's/^ *//; s/ *$//' <<< "$j"); [ -n "$j" ] || continue
+        (TURN=$dir:$k:$n ejob $g $k "$j" || true; touch "$dir/done.$k") & k=$((k+1)); done
+      wait; return
+    fi
     for j in "${J[@]}"; do j=$(sed 's/^ *//; s/ *$//' <<< "$j"); [ -n "$j" ] && ejob $g $i "$j"; i=$((i+1)); done
   }
   # one job list (E1 empty): nothing runs beside it, so it keeps every core (its compiles too) unless ENGINE_PIN=1
