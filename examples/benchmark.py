@@ -83,14 +83,14 @@ def _compile_clock():
     return {k: (len(v), sum(v)) for k, v in compilation_time_metrics.items()}
 
 
-def _compile_split(before, after, top=None):
-    """The phases of `after` that grew since `before` (all, or the `top` slowest), slowest first: {phase: [calls,
-    seconds]}. Phases nest (a frame's compile holds its graph's lowering, which holds its kernels' compilation), so
-    they do not add up. All by default: in h100-2026-12-07i an AR row's AOT phase took 113 s around inductor's 51 s,
-    and the 20 slowest phases it kept accounted for about 20 s of the other 62."""
+def _compile_split(before, after):
+    """The phases of `after` that grew since `before`, slowest first: {phase: [calls, seconds]}. Phases nest (a
+    frame's compile holds its graph's lowering, which holds its kernels' compilation), so they do not add up. All of
+    them: in h100-2026-12-07i an AR row's AOT phase took 113 s around inductor's 51 s, and the 20 slowest phases it
+    kept then accounted for about 20 s of the other 62."""
     grown = {k: (n - before.get(k, (0, 0.0))[0], s - before.get(k, (0, 0.0))[1]) for k, (n, s) in after.items()}
     grown = sorted(((k, n, s) for k, (n, s) in grown.items() if n > 0), key=lambda x: -x[2])
-    return {k: [n, round(s, 2)] for k, n, s in grown[:top]}
+    return {k: [n, round(s, 2)] for k, n, s in grown}
 
 
 def _row_cost(res) -> str:
@@ -326,8 +326,6 @@ def run_engine(engine, prompts, max_new, batch, eos, temperature=0.0, lookup=Non
         looked += sum(map(sum, engine.lookup_rounds))
         skipped += engine.skipped_drafts
         modes.append(engine.last_mode)
-    if _TURN is not None:
-        _TURN.end()
     res = {"tokens": n_tok, "seconds": secs, "tok_per_s": n_tok / secs,
            "tau": (sum(acc) + len(acc)) / len(acc) if (drafter is not None or lookup) and acc else None,
            "mode": " | ".join(dict.fromkeys(modes)), **warmup}  # one mode unless some shapes could not be captured
@@ -659,7 +657,7 @@ def main():
                 if _TURN is not None and not name.startswith("engine"):  # (engine rows wait inside run_engine,
                     _TURN.begin()  # after their own warm-up)
                 res = measure(name, fn, dataset, prompts)
-                if _TURN is not None:
+                if _TURN is not None:  # the timed part is over (engine rows included): the next slot may time
                     _TURN.end()
                     res["timing_turn"] = dict(_TURN.info)
                 # the row's whole cost, with the engine's build, compile and graph capture on its first use: what a
